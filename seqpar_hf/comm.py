@@ -1,0 +1,126 @@
+"""Collectives as autograd functions. Math lives elsewhere; each backward is the mirror collective.
+
+Every function takes its process group explicitly. A `None` group or a group of one rank makes
+every function here the identity, so an sp_size=1 layout does no communication at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# torch >= 2.13 renamed all_gather_into_tensor (same semantics); 2.11 only has the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_to_all_rows(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], group) -> torch.Tensor:
+    """all_to_all_single on dim 0: `send_rows[j]` rows go to rank j, `recv_rows[j]` come from it."""
+    recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=group)
+    return recv
+
+
+def _seq_to_heads(x: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
+    """[b, h, s_loc, d] (head j..: sizes head_sizes) -> [b, h_r, s_loc * n, d], contiguous."""
+    n, r = len(head_sizes), dist.get_rank(group)
+    b, _, s_loc, d = x.shape
+    send = x.permute(1, 0, 2, 3).contiguous()  # [b, h, s_loc, d] -> [h, b, s_loc, d]
+    recv = _all_to_all_rows(send, head_sizes, [head_sizes[r]] * n, group)  # [n * h_r, b, s_loc, d]
+    h_r = head_sizes[r]
+    # [n, h_r, b, s_loc, d] -> [b, h_r, n, s_loc, d] -> [b, h_r, n * s_loc, d]; rank order = sequence order
+    return recv.view(n, h_r, b, s_loc, d).permute(2, 1, 0, 3, 4).reshape(b, h_r, n * s_loc, d)
+
+
+def _heads_to_seq(y: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
+    """[b, h_r, s, d] -> [b, h, s / n, d] (a transposed view of a contiguous [b, s / n, h, d])."""
+    n, r = len(head_sizes), dist.get_rank(group)
+    b, h_r, s, d = y.shape
+    s_loc = s // n
+    # [b, h_r, n, s_loc, d] -> [n, h_r, b, s_loc, d] -> [n * h_r, b, s_loc, d]: chunk j goes to rank j
+    send = y.reshape(b, h_r, n, s_loc, d).permute(2, 1, 0, 3, 4).contiguous().view(n * h_r, b, s_loc, d)
+    recv = _all_to_all_rows(send, [h_r] * n, head_sizes, group)  # [h, b, s_loc, d]
+    # [h, b, s_loc, d] -> [b, s_loc, h, d] (contiguous, what HF attention returns) -> [b, h, s_loc, d] view
+    return recv.permute(1, 2, 0, 3).contiguous().transpose(1, 2)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """Ulysses all-to-all: sequence-sharded, all heads -> full sequence, this rank's heads."""
+
+    @staticmethod
+    def forward(ctx, x, head_sizes, group):
+        ctx.head_sizes, ctx.group = head_sizes, group
+        return _seq_to_heads(x, head_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.head_sizes, ctx.group), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """The inverse all-to-all: full sequence, this rank's heads -> sequence-sharded, all heads."""
+
+    @staticmethod
+    def forward(ctx, y, head_sizes, group):
+        ctx.head_sizes, ctx.group = head_sizes, group
+        return _heads_to_seq(y, head_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.head_sizes, ctx.group), None, None
+
+
+def seq_to_heads(x: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
+    """[b, h, s/n, d] -> [b, head_sizes[rank], s, d] over `group` (n ranks); uneven head splits allowed."""
+    if group_size(group) == 1:
+        return x
+    return SeqToHeads.apply(x, head_sizes, group)
+
+
+def heads_to_seq(y: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
+    """[b, head_sizes[rank], s, d] -> [b, h, s/n, d] over `group`; the inverse of `seq_to_heads`."""
+    if group_size(group) == 1:
+        return y
+    return HeadsToSeq.apply(y, head_sizes, group)
+
+
+class GroupSum(torch.autograd.Function):
+    """Sum a per-rank partial over the SP group; backward scales the gradient by `grad_scale`.
+
+    Each rank back-propagates only through its own shard of the graph. Data-parallel wrappers
+    (DDP, FSDP, ZeRO) then *average* gradients over the whole world, i.e. over dp_size * sp_size
+    ranks; multiplying by sp_size here turns that average into "sum over the SP group, mean over
+    DP replicas", which is exactly the gradient of plain DP over dp_size replicas.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, grad_scale):
+        ctx.grad_scale = grad_scale
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.grad_scale, None, None
+
+
+def group_sum(x: torch.Tensor, group, grad_scale: float = 1.0) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    return GroupSum.apply(x, group, grad_scale)
+
+
+@torch.no_grad()
+def all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate equal-shaped shards of all ranks along `dim` (no gradient: for eval outputs)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=group)  # [n * x0, ...]: rank blocks along dim 0
+    return torch.cat(out.chunk(n, dim=0), dim=dim)
