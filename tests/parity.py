@@ -35,12 +35,15 @@ def _grad_errors(patched, reference) -> tuple[float, str]:
 
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
-    overrides), eval (compare gathered logits without labels instead of loss + gradients)."""
+    overrides), checkpointing, eval (compare gathered logits without labels instead of loss + gradients)."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
                                       ring_size=case.get("ring_size"))
     family = case["family"]
     model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
     reference = copy.deepcopy(model)
+    if case.get("checkpointing"):
+        model.gradient_checkpointing_enable()
+        reference.gradient_checkpointing_enable()
     batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
     mine = batches[layout.dp_rank]
     seqpar_hf.patch_model(model, layout)

@@ -36,6 +36,8 @@ def _cases_world2():
             dict(base, name=f"{tag}-llama-no-padding", family="llama", batch=dict(length=12, pad=False)),
             dict(base, name=f"{tag}-mistral", family="mistral"),
             dict(base, name=f"{tag}-qwen2", family="qwen2"),
+            dict(base, name=f"{tag}-marian-checkpointing", family="marian", checkpointing=True),
+            dict(base, name=f"{tag}-llama-checkpointing", family="llama", checkpointing=True),
             dict(base, name=f"{tag}-marian-eval", family="marian", eval=True),
             dict(base, name=f"{tag}-llama-eval", family="llama", eval=True),
         ]

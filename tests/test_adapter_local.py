@@ -1,0 +1,109 @@
+"""Tier 1 (one process, no process group): the adapter at sp_size=1 runs the full patched path
+(sharding, mask and attention functions, group loss) and must equal the unpatched model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+import seqpar_hf
+
+from .models import SEQ2SEQ, build_model, make_batch, relative_error
+
+FAMILIES = ["marian", "bart", "mbart", "pegasus", "llama", "mistral", "qwen2"]
+TOL = 1e-6  # same kernels on the same full sequence: only the loss reduction order differs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sp1_patched_equals_unpatched(family):
+    model = build_model(family)
+    reference = copy.deepcopy(model)
+    batch = make_batch(family, seed=1)
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    out, expected = model(**batch), reference(**batch)
+    out.loss.backward(), expected.loss.backward()
+    assert relative_error(out.loss, expected.loss) < TOL
+    assert relative_error(out.logits, expected.logits) < TOL
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            assert relative_error(p.grad, q.grad, floor=1e-4) < TOL, name
+
+
+def test_unpatch_restores_the_plain_model():
+    model = build_model("marian")
+    implementation = model.config._attn_implementation
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    assert seqpar_hf.is_patched(model) and model.config._attn_implementation == "seqpar_hf"
+    seqpar_hf.unpatch_model(model)
+    assert not seqpar_hf.is_patched(model)
+    assert model.config._attn_implementation == implementation
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__
+    assert not any(hasattr(m, "_seqpar_site") for m in model.modules())
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    model(**make_batch("marian", seed=0))  # still runs
+
+
+def test_patch_is_per_instance():
+    """A second model built from the same config object keeps its own attention."""
+    first = build_model("marian")
+    second = type(first)(first.config)
+    seqpar_hf.patch_model(first, seqpar_hf.ParallelLayout(sp_size=1))
+    assert second.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, "_seqpar_site") for m in second.modules())
+
+
+def test_second_layout_is_refused():
+    model = build_model("llama")
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    with pytest.raises(ValueError, match="already patched.*unpatch_model"):
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+
+
+def test_t5_is_refused_with_the_supported_families():
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration.*relative position bias.*Supported families.*marian"):
+        seqpar_hf.patch_model(t5, seqpar_hf.ParallelLayout(sp_size=1))
+
+
+def test_sliding_window_is_refused():
+    model = build_model("mistral")
+    model.config.sliding_window = 4
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+
+
+@pytest.mark.parametrize("family", ["marian", "llama"])
+def test_generate_runs_without_sp_and_matches(family):
+    model = build_model(family)
+    reference = copy.deepcopy(model)
+    batch = make_batch(family, seed=2)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    if family not in SEQ2SEQ:
+        inputs = {"input_ids": batch["input_ids"][:1, 3:], "attention_mask": batch["attention_mask"][:1, 3:]}
+    assert torch.equal(model.generate(**inputs, **kwargs), reference.generate(**inputs, **kwargs))
+    assert model.config._attn_implementation == "seqpar_hf"  # back to SP after generation
+
+
+def test_saved_patched_model_is_a_plain_checkpoint(tmp_path):
+    model = build_model("marian")
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    model.save_pretrained(tmp_path)
+    assert "seqpar" not in (tmp_path / "config.json").read_text()
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    batch = make_batch("marian", seed=3)
+    model.eval()
+    assert relative_error(loaded(**batch).loss, model(**batch).loss) < TOL
+
+
+def test_four_dimensional_masks_are_refused():
+    model = build_model("llama")
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    batch = make_batch("llama", seed=0)
+    batch["attention_mask"] = torch.ones(3, 1, 11, 11, dtype=torch.bool)
+    with pytest.raises(ValueError, match="2D padding masks"):
+        model(**batch)

@@ -1,0 +1,96 @@
+"""Tier 1 (no process group): sizes, sharding plans and head splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seqpar_hf.layout import ParallelLayout, validate_sizes
+from seqpar_hf.sharding import ShardPlan
+from seqpar_hf.ulysses import split_heads
+
+
+@pytest.mark.parametrize("world,sp,mode,ring,match", [
+    (4, 3, "ulysses", None, "world size 4 is not divisible by sp_size=3"),
+    (4, 4, "hybrid", 3, "ring_size=3 does not divide sp_size=4"),
+    (4, 4, "hybrid", None, "needs ring_size"),
+    (4, 2, "stripes", None, "unknown sequence-parallel mode 'stripes'"),
+    (4, 0, "ulysses", None, "sp_size must be a positive integer"),
+    (4, 2, "ulysses", 2, "takes no ring_size"),
+    (4, 4, "ring", 2, "ring_size=sp_size=4"),
+])
+def test_validate_sizes_errors_name_the_values(world, sp, mode, ring, match):
+    with pytest.raises(ValueError, match=match):
+        validate_sizes(world, sp, mode, ring)
+
+
+@pytest.mark.parametrize("world,sp,mode,ring,expect", [
+    (4, 2, "ulysses", None, (1, 2, 2)),
+    (4, 4, "ring", None, (4, 1, 1)),
+    (8, 4, "hybrid", 2, (2, 2, 2)),
+    (1, 1, "ulysses", None, (1, 1, 1)),
+])
+def test_validate_sizes(world, sp, mode, ring, expect):
+    s = validate_sizes(world, sp, mode, ring)
+    assert (s.ring_size, s.ulysses_size, s.dp_size) == expect
+
+
+def test_sp1_layout_needs_no_process_group():
+    layout = ParallelLayout(sp_size=1)
+    assert (layout.sp_rank, layout.sp_size, layout.dp_size, layout.enabled) == (0, 1, 1, False)
+
+
+def test_sp2_without_process_group_says_how_to_fix():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ParallelLayout(sp_size=2)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 8, 13, 16])
+@pytest.mark.parametrize("sp,ring,zigzag", [(2, 1, False), (4, 1, False), (2, 2, True), (4, 4, True), (4, 2, True),
+                                           (4, 2, False)])
+def test_plans_cover_every_token_once(length, sp, ring, zigzag):
+    plans = [ShardPlan.build(length, sp, r, ring, zigzag) for r in range(sp)]
+    index = torch.cat([p.global_index() for p in plans])
+    assert sorted(index.tolist()) == list(range(plans[0].padded))  # a partition of the padded sequence
+    assert plans[0].padded % sp == 0 and plans[0].padded >= length
+    x = torch.arange(length)[None].float() + 1
+    shards = [p.pad_and_shard(x, 0.0) for p in plans]
+    assert all(s.shape[1] == plans[0].local_length for s in shards)
+    assert torch.equal(plans[0].unshard(torch.cat(shards, dim=1)), x)  # gather + unshard round-trips
+
+
+def test_zigzag_balances_causal_work():
+    sp, length = 4, 64
+    work = []
+    for r in range(sp):
+        idx = ShardPlan.build(length, sp, r, sp, True).global_index()
+        work.append(int((idx + 1).sum()))  # causal attention: token t attends t+1 keys
+    assert max(work) == min(work)
+
+
+def test_padded_positions_stay_inside_the_position_table():
+    plan = ShardPlan.build(5, 4, 3, 1, False)  # padded to 8; rank 3 holds 6, 7 (padding)
+    assert plan.positions().tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("heads,kv,n", [(4, 4, 2), (3, 3, 2), (6, 6, 4), (4, 1, 2), (4, 2, 4), (6, 2, 4), (8, 2, 8),
+                                        (6, 3, 4), (5, 5, 5)])
+def test_head_split_gives_each_rank_the_kv_heads_its_queries_use(heads, kv, n):
+    split = split_heads(heads, kv, n)
+    assert sum(split.q_sizes) == heads and max(split.q_sizes) - min(split.q_sizes) <= 1
+    send = list(split.kv_send) if split.kv_send is not None else list(range(kv))
+    rep, start, kv_start = heads // kv, 0, 0
+    for r in range(n):
+        received = send[kv_start:kv_start + split.kv_sizes[r]]
+        local = split.kv_for_q[r] or list(range(split.q_sizes[r]))
+        for i in range(split.q_sizes[r]):
+            assert received[local[i]] == (start + i) // rep  # global q head -> its kv head
+        start += split.q_sizes[r]
+        kv_start += split.kv_sizes[r]
+    if heads % n == 0 and kv % n == 0:
+        assert split.kv_send is None  # even split: no replication, no copy
+
+
+def test_too_few_heads_for_ulysses_names_the_fix():
+    with pytest.raises(ValueError, match="needs at least 4 attention heads.*hybrid"):
+        split_heads(2, 2, 4)
