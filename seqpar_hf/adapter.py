@@ -28,6 +28,7 @@ from .layout import ParallelLayout
 from .loss import IGNORE_INDEX, sequence_parallel_loss
 from .rng import LayerDropSync, per_rank_stream
 from .sharding import ShardPlan
+from .ring import RingSpec, ring_attention
 from .ulysses import split_heads, ulysses_attention
 
 ATTN_NAME = "seqpar_hf"
@@ -89,18 +90,37 @@ class AttentionSite:
         self.state, self.q_side, self.kv_side = state, q_side, kv_side
 
     def attend(self, q, k, v, key_mask, causal, scale, dropout):
+        """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""
         layout = self.state.layout
-        n = layout.ulysses_size
         if key_mask is not None and key_mask.shape[-1] != k.shape[2] * layout.sp_size:
             raise RuntimeError(f"seqpar_hf: key mask covers {key_mask.shape[-1]} tokens, the keys "
                                f"{k.shape[2]} x {layout.sp_size}")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if layout.sizes.ring_size == 1:
+            def inner(q, k, v, kv_for_q):
+                return local_attention.attention(q, k, v, key_mask, causal, scale, dropout, kv_for_q)
+        else:
+            if dropout > 0:
+                raise NotImplementedError(f"ring attention does not support attention dropout (got {dropout}); "
+                                          "set the model's attention_dropout to 0 or use mode='ulysses'")
 
-        def local(q, k, v, kv_for_q):
-            return local_attention.attention(q, k, v, key_mask, causal, scale, dropout, kv_for_q)
+            def inner(q, k, v, kv_for_q):
+                return ring_attention(q, k, v, self._ring_spec(q, key_mask, causal, scale, kv_for_q))
+        if layout.ulysses_size == 1:
+            rep = q.shape[1] // k.shape[1]
+            kv_for_q = None if rep == 1 else torch.arange(q.shape[1], device=q.device) // rep
+            return inner(q, k, v, kv_for_q)
+        return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner)
 
-        if layout.sizes.mode == "ulysses":
-            return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, local)
-        raise NotImplementedError(f"mode {layout.sizes.mode!r} is not implemented yet (n={n})")
+    def _ring_spec(self, q, key_mask, causal, scale, kv_for_q) -> RingSpec:
+        layout, plans = self.state.layout, self.state.plans
+        q_plan, kv_plan = plans[self.q_side], plans[self.kv_side]
+        device = q.device
+        return RingSpec(group=layout.ring_group, ranks=layout.ring_ranks, index=layout.ring_rank,
+                        q_index=q_plan.ring_index(layout.ring_rank, device),
+                        k_index=[kv_plan.ring_index(j, device) for j in range(layout.sizes.ring_size)],
+                        key_mask=key_mask, causal=causal, zigzag=causal and q_plan.zigzag, scale=scale,
+                        kv_for_q=kv_for_q)
 
 
 class PatchState:

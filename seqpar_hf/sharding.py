@@ -56,6 +56,12 @@ class ShardPlan:
         piece = ring_local.numel() // self.ulysses_size
         return ring_local[uly_rank * piece:(uly_rank + 1) * piece]
 
+    def ring_index(self, ring_rank: int, device=None) -> torch.Tensor:
+        """Global positions held by a whole Ulysses group (ring rank `ring_rank`), in the order an
+        all-to-all inside that group lays them out."""
+        u = self.ulysses_size
+        return torch.cat([self.global_index(ring_rank * u + j, device=device) for j in range(u)])
+
     def positions(self, device=None) -> torch.Tensor:
         """[s_loc] position ids of the local tokens; padding gets position 0 (it is masked anyway
         and must not index past a model's position table)."""

@@ -56,14 +56,16 @@ def build_model(family: str, seed: int = 0, **config_kwargs):
     return MODEL_CLASSES[family](config).float()
 
 
-def seq2seq_batch(seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9, pad: bool = True):
-    """Right-padded source and target; sample 1's source is mostly padding (2 real tokens)."""
+def seq2seq_batch(seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9, pad: bool = True,
+                  empty_source: bool = False):
+    """Right-padded source and target; sample 1's source is mostly padding (2 real tokens), or all
+    padding with `empty_source` (every key of its attention rows masked)."""
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, VOCAB, (batch, src_len), generator=g)
     labels = torch.randint(3, VOCAB, (batch, tgt_len), generator=g)
     attention_mask = torch.ones(batch, src_len, dtype=torch.long)
     if pad:
-        attention_mask[1, 2:] = 0
+        attention_mask[1, 0 if empty_source else 2:] = 0
         if batch > 2:
             attention_mask[2, src_len - 3:] = 0
         labels[0, tgt_len - 2:] = -100

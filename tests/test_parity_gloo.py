@@ -14,7 +14,7 @@ from .spawn import spawn
 # fp32: loss, every parameter gradient and gathered logits within 1e-5 relative error.
 TOL = 1e-5
 
-MODES = [("ulysses", None)]
+MODES = [("ulysses", None), ("ring", None)]
 
 
 def _cases_world2():
@@ -28,6 +28,7 @@ def _cases_world2():
             dict(base, name=f"{tag}-marian-src-shorter-than-tgt", family="marian", batch=dict(src_len=5, tgt_len=12)),
             dict(base, name=f"{tag}-marian-length-1", family="marian", batch=dict(src_len=1, tgt_len=1, pad=False, batch=2)),
             dict(base, name=f"{tag}-marian-no-padding", family="marian", batch=dict(src_len=12, tgt_len=8, pad=False)),
+            dict(base, name=f"{tag}-marian-empty-source", family="marian", batch=dict(empty_source=True)),
             dict(base, name=f"{tag}-bart", family="bart"),
             dict(base, name=f"{tag}-mbart", family="mbart"),
             dict(base, name=f"{tag}-pegasus", family="pegasus"),
@@ -46,7 +47,7 @@ def _cases_world2():
 
 def _cases_world4():
     cases = []
-    for mode, ring in MODES:
+    for mode, ring in MODES + [("hybrid", 2)]:
         tag = mode
         sp4 = dict(sp=4, mode=mode, ring_size=ring)
         cases += [
@@ -54,9 +55,13 @@ def _cases_world4():
             dict(sp4, name=f"{tag}-sp4-llama-kv-lt-sp", family="llama", model=dict(heads=4, kv_heads=2)),
             dict(sp4, name=f"{tag}-sp4-llama-uneven", family="llama", model=dict(heads=6, kv_heads=3)),
             dict(sp4, name=f"{tag}-sp4-marian-eval", family="marian", eval=True),
-            dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
-            dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama"),
         ]
+        if mode == "hybrid":  # uneven heads on the Ulysses part (3 and 5 heads over 2 ranks)
+            cases += [dict(sp4, name=f"{tag}-sp4-marian-3-heads", family="marian", model=dict(heads=3)),
+                      dict(sp4, name=f"{tag}-sp4-llama-5-heads-mqa", family="llama", model=dict(heads=5, kv_heads=1))]
+        if mode != "hybrid":
+            cases += [dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
+                      dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama")]
     return cases
 
 
