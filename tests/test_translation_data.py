@@ -1,0 +1,231 @@
+"""Tests for recipes/translation_data.py and metrics/sacrebleu_local (translation demo data). CPU only, ~20 s."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / evaluate read it
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import evaluate
+import nltk
+import pytest
+import sacrebleu
+from transformers import AutoTokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from recipes import translation_data as td  # noqa: E402
+
+METRIC_PATH = str(REPO / "metrics" / "sacrebleu_local")
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return td.load_pairs()
+
+
+@pytest.fixture(scope="module")
+def sample(pairs):
+    # Every 50th pair: 3.3k pairs spread over short and long sentences.
+    return pairs[::50]
+
+
+def _digest(splits):
+    return hashlib.sha256(json.dumps(splits, sort_keys=True).encode()).hexdigest()
+
+
+def test_load_pairs(pairs):
+    assert len(pairs) == 167_130
+    assert pairs[0] == ("Go.", "Va !")
+    assert len({en for en, _ in pairs}) == 116_830
+
+
+def test_load_pairs_names_bad_line(tmp_path):
+    import gzip
+
+    path = tmp_path / "bad.tsv.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("Hi.\tSalut !\t\nno tabs here\n")
+    with pytest.raises(ValueError, match="bad.tsv.gz:2"):
+        td.load_pairs(path)
+
+
+def test_split_has_no_english_overlap(pairs):
+    splits = td.split_by_source(pairs, seed=0)
+    train_en = {item["en"] for item in splits["train"]}
+    valid_en = [item["en"] for item in splits["validation"]]
+    test_en = [item["en"] for item in splits["test"]]
+    assert len(set(valid_en)) == len(valid_en) and len(set(test_en)) == len(test_en)
+    assert not train_en & set(valid_en) and not train_en & set(test_en) and not set(valid_en) & set(test_en)
+    assert len(valid_en) == round(116_830 * 0.01) and len(test_en) == round(116_830 * 0.02)
+    # Every pair is used exactly once.
+    held_out_pairs = sum(len(item["fr_refs"]) for name in ("validation", "test") for item in splits[name])
+    assert len(splits["train"]) + held_out_pairs == len(pairs)
+
+
+def test_split_is_deterministic(sample):
+    first = td.split_by_source(sample, seed=3)
+    assert first == td.split_by_source(sample, seed=3)
+    assert first != td.split_by_source(sample, seed=4)
+
+
+def test_split_ignores_python_hash_seed(sample):
+    # Same split in a process with a different string-hash seed.
+    here = _digest(td.split_by_source(sample, seed=0))
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    code = (
+        f"import sys, hashlib, json; sys.path.insert(0, {str(REPO)!r}); "
+        "from recipes import translation_data as td; "
+        "s = td.split_by_source(td.load_pairs()[::50], seed=0); "
+        "print(hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == here
+
+
+def test_split_collects_all_references(pairs):
+    splits = td.split_by_source(pairs, seed=0)
+    translations = {}
+    for en, fr in pairs:
+        translations.setdefault(en, []).append(fr)
+    for name in ("validation", "test"):
+        for item in splits[name]:
+            assert item["fr_refs"] == translations[item["en"]]  # all of them, in file order
+            assert item["fr"] == item["fr_refs"][0]
+    assert max(len(item["fr_refs"]) for item in splits["test"]) > 1
+
+
+def test_split_rejects_bad_fractions(sample):
+    with pytest.raises(ValueError, match="test_fraction"):
+        td.split_by_source(sample, test_fraction=1.5)
+    with pytest.raises(ValueError, match="0.6 \\+ 0.5"):
+        td.split_by_source(sample, valid_fraction=0.6, test_fraction=0.5)
+
+
+def test_nbsp_normalised():
+    for space in ("\u00a0", "\u202f"):
+        assert td.tokenize_fr(f"Qui{space}?") == "Qui ?"
+        assert td.tokenize_fr(f"Il a dit{space}: «{space}Viens{space}!{space}»") == "Il a dit : « Viens ! »"
+    assert td.normalize_spaces("a\u00a0b\u202fc") == "a b c"
+
+
+def test_word_tokenize_needs_no_nltk_data(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"NLTK tried to fetch data: {args}")
+
+    monkeypatch.setattr(nltk, "download", forbidden)
+    monkeypatch.setattr(nltk.data, "find", forbidden)
+    monkeypatch.setattr(nltk.data, "load", forbidden)
+    assert td.tokenize_en("I can't go. He said \"no\".") == "I ca n't go. He said `` no '' ."
+    assert td.tokenize_fr("Je n'ai pas dit ça.") == "Je n'ai pas dit ça ."
+
+
+def test_detokenize_fr_round_trip(sample):
+    references = [fr for _, fr in sample]
+    restored = [td.detokenize_fr(td.tokenize_fr(fr)) for fr in references]
+    assert sacrebleu.corpus_bleu(restored, [references]).score > 99
+    exact = sum(r == td.normalize_spaces(x) for r, x in zip(restored, references)) / len(references)
+    assert exact > 0.98
+    assert td.detokenize_fr(td.tokenize_fr('Il a dit "oui", (pas) 50% l’homme… Qui ?')) == (
+        'Il a dit "oui", (pas) 50% l’homme… Qui ?'
+    )
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(sample):
+    splits = td.split_by_source(sample, seed=0)
+    texts = [text for item in splits["train"] for text in (td.tokenize_en(item["en"]), td.tokenize_fr(item["fr"]))]
+    return td.train_tokenizer(texts, vocab_size=1000), texts
+
+
+def test_tokenizer_round_trip_and_reload(small_tokenizer, tmp_path):
+    tokenizer, texts = small_tokenizer
+    assert len(tokenizer) == 1000
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    encoded = tokenizer(texts[:500])["input_ids"]
+    assert all(ids[-1] == tokenizer.eos_token_id for ids in encoded)
+    assert tokenizer.batch_decode(encoded, skip_special_tokens=True) == texts[:500]
+    # Model output / labels -> French text: padding (0 or -100) and </s> are dropped.
+    assert td.decode_french(tokenizer, [[0] + encoded[1] + [-100, -100]]) == [td.detokenize_fr(texts[1])]
+
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(texts[:500])["input_ids"] == encoded
+    assert reloaded.batch_decode(encoded, skip_special_tokens=True) == texts[:500]
+
+
+def test_pack_pairs():
+    items = [{"en": f"e{i}", "fr": f"f{i}"} for i in range(5)]
+    assert td.pack_pairs(items, 1) == items
+    assert td.pack_pairs(items, 2) == [
+        {"en": "e0 e1", "fr": "f0 f1"},
+        {"en": "e2 e3", "fr": "f2 f3"},
+        {"en": "e4", "fr": "f4"},
+    ]
+    held_out = [
+        {"en": "A.", "fr": "a1", "fr_refs": ["a1", "a2"]},
+        {"en": "B.", "fr": "b1", "fr_refs": ["b1"]},
+        {"en": "C.", "fr": "c1", "fr_refs": ["c1", "c2", "c3"]},
+    ]
+    assert td.pack_pairs(held_out, 3)[0]["fr_refs"] == ["a1 b1 c1", "a2 b1 c2", "a1 b1 c3"]
+    with pytest.raises(ValueError, match="got 0"):
+        td.pack_pairs(items, 0)
+
+
+def test_build_tokenized_splits(small_tokenizer, sample):
+    tokenizer, _ = small_tokenizer
+    splits = td.split_by_source(sample, seed=0)
+    data = td.build_tokenized_splits(tokenizer, splits, max_source_length=24, max_target_length=20, pack_sentences=3)
+    assert set(data) == {"train", "validation", "test"}
+    assert len(data["train"]) == -(-len(splits["train"]) // 3)
+    assert set(data["train"].column_names) == {"input_ids", "attention_mask", "labels"}
+    assert set(data["test"].column_names) == {"input_ids", "attention_mask", "labels", "en", "fr_refs"}
+    for row in data["train"]:
+        assert len(row["input_ids"]) <= 24 and len(row["labels"]) <= 20
+        assert row["input_ids"][-1] == row["labels"][-1] == tokenizer.eos_token_id
+        assert row["attention_mask"] == [1] * len(row["input_ids"])
+    first = data["test"][0]
+    assert first["en"] == " ".join(item["en"] for item in splits["test"][:3])
+
+
+def test_metric_loads_offline_and_uses_all_references(monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("network access while loading the metric")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    bleu = evaluate.load(METRIC_PATH)
+    text = "Il fait très beau aujourd'hui à Paris."
+    assert bleu.compute(predictions=[text], references=[[text]])["score"] == pytest.approx(100)
+    result = bleu.compute(
+        predictions=[text, "Je ne sais pas ce que tu veux dire."],
+        references=[["Il pleut beaucoup ce matin.", text], ["Je ne sais pas ce que tu veux dire."]],
+    )
+    assert result["score"] == pytest.approx(100)  # the first prediction matches only its second reference
+    assert "nrefs:var" in result["signature"]
+    assert set(result) >= {"score", "counts", "totals", "precisions", "bp", "sys_len", "ref_len", "signature"}
+    assert bleu.compute(predictions=[text], references=["Il pleut beaucoup ce matin."])["score"] < 20
+
+
+def test_prepare_cache_hit(tmp_path):
+    args = dict(vocab_size=300, seed=0, pack_sentences=2, max_source_length=32, max_target_length=32, max_pairs=2000)
+    start = time.perf_counter()
+    tokenizer, data = td.prepare(tmp_path, num_proc=1, **args)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    tokenizer_again, data_again = td.prepare(tmp_path, num_proc=1, **args)
+    warm = time.perf_counter() - start
+    assert warm < cold
+    assert tokenizer_again.get_vocab() == tokenizer.get_vocab()
+    for name in data:
+        assert data_again[name].to_dict() == data[name].to_dict()
+    assert len(list(tmp_path.iterdir())) == 1
+    td.prepare(tmp_path, num_proc=1, **{**args, "seed": 1})  # another argument, another entry
+    assert len(list(tmp_path.iterdir())) == 2
