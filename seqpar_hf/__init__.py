@@ -2,6 +2,7 @@
 
 from .adapter import gather_logits, gather_sequence, is_patched, patch_model, sp_disabled, unpatch_model
 from .layout import ParallelLayout
+from .trainer import SequenceParallelArguments, SequenceParallelTrainer
 
 __all__ = ["ParallelLayout", "patch_model", "unpatch_model", "is_patched", "sp_disabled",
-           "gather_logits", "gather_sequence"]
+           "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer"]

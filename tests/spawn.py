@@ -25,7 +25,10 @@ def _entry(rank, world_size, port, fn, args, queue):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    # the variables torchrun sets, so accelerate/Trainer see a multi-process CPU job
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      ACCELERATE_USE_CPU="1")
     torch.set_num_threads(1)  # N processes share 2 cores
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))

@@ -1,0 +1,260 @@
+"""Trainer integration: `SequenceParallelArguments` and `SequenceParallelTrainer`.
+
+The ranks of one SP group are one data-parallel replica: they read the same batches (the data is
+split over `dp_size` replicas, not over the world), count as one replica in steps per epoch and in
+the learning-rate schedule, and report each evaluation example once. The loss is token-weighted
+over the whole accumulated global batch, computed here rather than by the model class, so every mix
+of gradient accumulation, data parallelism and sequence parallelism logs the number one process with
+the same global batch logs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import recursively_apply
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+from .adapter import gather_logits, is_patched, patch_model
+from .comm import group_size
+from .layout import MODES, ParallelLayout, validate_sizes
+from .loss import IGNORE_INDEX
+
+
+@dataclass
+class SequenceParallelArguments(Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` plus the sequence-parallel layout (`--sp_size 2` on the command line)."""
+
+    sp_size: int = field(default=1, metadata={"help": "Ranks that split each sequence (an SP group). The world "
+                                                      "size must be a multiple; data parallelism runs over "
+                                                      "world_size // sp_size groups. 1 disables SP."})
+    sp_mode: str = field(default="ulysses", metadata={
+        "help": "ulysses: all-to-all of heads (needs sp_size <= attention heads); ring: K/V blocks passed around "
+                "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them.",
+        "choices": list(MODES)})
+    sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size)  # fail before any collective
+
+
+class SequenceParallelTrainer(Seq2SeqTrainer):
+    """A `Seq2SeqTrainer` whose model is sequence-parallel over `args.sp_size` ranks.
+
+    Builds the `ParallelLayout` from `args` (or takes `layout=`), patches the model if needed, and
+    adapts data loading, loss, evaluation gathering and throughput metrics to SP groups.
+    Generation (`predict_with_generate`) runs without SP: each rank of a group generates a slice of
+    the group's batch and the slices are gathered in order.
+    """
+
+    def __init__(self, model=None, args: SequenceParallelArguments | None = None, *pargs,
+                 layout: ParallelLayout | None = None, **kwargs):
+        if args is None or not isinstance(args, SequenceParallelArguments):
+            raise TypeError("SequenceParallelTrainer needs args=SequenceParallelArguments(...)")
+        args.device  # sets up the process group when launched distributed (accelerate / torchrun)
+        self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size)
+        if model is not None and not is_patched(model):
+            patch_model(model, self.layout)
+        self._eval_steps: dict[str, int] = {}  # eval steps the last loop ran, per metric prefix
+        self._eval_step_count, self._eval_batch_losses = 0, []
+        super().__init__(model, args, *pargs, **kwargs)
+        # our compute_loss normalises over the accumulated global batch itself
+        self.model_accepts_loss_kwargs = True
+        self.loss_is_scaled_for_ga = True
+
+    # ---- data: shard over data-parallel replicas, not over the world ----------------------------------
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self.accelerator.prepare_data_loader = self._prepare_data_loader  # this trainer's accelerator only
+
+    def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """accelerate's prepare_data_loader, with the SP group as one process: ranks of a group get the
+        same batches, in the order one process with the same global batch would see them."""
+        acc = self.accelerator
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            if data_loader not in acc._dataloaders:
+                acc._dataloaders.append(data_loader)
+            return data_loader
+        prepared = prepare_data_loader(
+            data_loader, acc.device, num_processes=self.layout.dp_size, process_index=self.layout.dp_rank,
+            split_batches=acc.split_batches, put_on_device=acc.device_placement if device_placement is None
+            else device_placement, rng_types=acc.rng_types.copy(), dispatch_batches=False,
+            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+            use_stateful_dataloader=acc.use_stateful_dataloader)
+        acc._dataloaders.append(prepared)
+        return prepared
+
+    def get_sp_size(self) -> int:
+        return self.layout.sp_size  # the Trainer divides the world by it to count data-parallel replicas
+
+    # ---- loss ---------------------------------------------------------------------------------------
+
+    def _labelled_tokens(self, batches: list[dict]) -> torch.Tensor | None:
+        """Labelled tokens of these batches over all data-parallel replicas (causal LMs: shifted)."""
+        if not batches or "labels" not in batches[0]:
+            return None
+        shift = self.accelerator.unwrap_model(self.model)._seqpar_state.family.kind == "causal"
+        count = sum(((b["labels"][..., 1:] if shift else b["labels"]) != IGNORE_INDEX).sum() for b in batches)
+        count = torch.as_tensor(count, device=self.args.device)
+        if group_size(self.layout.dp_group) > 1:
+            dist.all_reduce(count, group=self.layout.dp_group)
+        return count
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, self._labelled_tokens(batches)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """sum of token losses of this global batch / its labelled tokens, times dp_size: the Trainer
+        and DDP average over the world, and SP ranks already hold their group's value."""
+        if "labels" not in inputs:
+            raise ValueError("SequenceParallelTrainer needs `labels` in the batch to compute a loss")
+        if num_items_in_batch is None:
+            num_items_in_batch = self._labelled_tokens([inputs])
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch,
+                        label_smoothing=self.args.label_smoothing_factor)
+        loss = outputs.loss * self.layout.dp_size
+        return (loss, outputs) if return_outputs else loss
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+
+    def _real_rows(self, batch_rows: int) -> int:
+        """Rows of this rank's batch that are real examples: on the last global batch, accelerate
+        fills the replicas' batches up by repeating examples from the start."""
+        state = self.accelerator.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return batch_rows
+        start = self.layout.dp_rank * self.args.eval_batch_size
+        return max(0, min(batch_rows, state.remainder - start))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        self._eval_step_count += 1
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.get("labels")
+        loss = logits = None
+        with torch.no_grad():
+            if labels is not None:
+                real = self._real_rows(labels.shape[0])
+                counted = labels.clone()
+                counted[real:] = IGNORE_INDEX  # repeated examples do not count in the loss
+                forward_inputs = {**inputs, "labels": counted}
+                loss, outputs = self.compute_loss(model, forward_inputs, return_outputs=True)
+                loss = loss.detach()
+                if group_size(self.layout.dp_group) > 1:  # the global batch's loss, on every rank
+                    dist.all_reduce(loss, group=self.layout.dp_group)
+                loss = loss / self.layout.dp_size
+                self._eval_batch_losses.append(loss.item())
+            else:
+                outputs = model(**inputs) if not self.args.predict_with_generate or prediction_loss_only else None
+            if not prediction_loss_only:
+                if self.args.predict_with_generate:
+                    logits = self._generate(inputs, gen_kwargs)
+                else:
+                    logits = gather_logits(self.accelerator.unwrap_model(model), outputs.logits)
+        if prediction_loss_only:
+            return loss, None, None
+        if labels is not None and self.args.predict_with_generate:
+            labels = self._pad_labels(labels)
+        return loss, logits, labels
+
+    def _gen_config_length(self) -> int:
+        config = self.model.generation_config
+        if config.max_new_tokens is not None:
+            return config.max_new_tokens + 1
+        return config.max_length
+
+    def _pad_labels(self, labels):
+        length = self._gen_config_length()
+        return self._pad_tensors_to_max_len(labels, length) if labels.shape[-1] < length else labels
+
+    def _generate(self, inputs, gen_kwargs) -> torch.Tensor:
+        """Generate without SP: this SP rank takes its slice of the group's batch; slices are
+        gathered in order, so every rank of the group returns the whole batch's tokens."""
+        if len(gen_kwargs) == 0 and hasattr(self, "_gen_kwargs"):
+            gen_kwargs = self._gen_kwargs.copy()
+        gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
+        generation_inputs = {k: v for k, v in inputs.items()
+                             if k not in ("labels", "decoder_input_ids", "decoder_attention_mask")}
+        rows = next(iter(generation_inputs.values())).shape[0]
+        sp, rank = self.layout.sp_size, self.layout.sp_rank
+        bounds = [rows * i // sp for i in range(sp + 1)]  # contiguous slices keep the order
+        mine = {k: v[bounds[rank]:bounds[rank + 1]] for k, v in generation_inputs.items()}
+        model = self.accelerator.unwrap_model(self.model)
+        tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
+        length = self._gen_config_length()
+        if tokens is not None and tokens.shape[-1] < length:
+            tokens = self._pad_tensors_to_max_len(tokens, length)
+        if sp == 1:
+            return tokens
+        pieces = [None] * sp
+        dist.all_gather_object(pieces, None if tokens is None else tokens.cpu(), group=self.layout.sp_group)
+        pieces = [p for p in pieces if p is not None]
+        width = max(p.shape[-1] for p in pieces)
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad) for p in pieces]
+        return torch.cat(pieces).to(self.args.device)
+
+    def _gather_replicas(self, data):
+        """gather_for_metrics over data-parallel replicas: all-gather over the world, keep one SP
+        rank per group, then drop the repeated examples of the last batch."""
+        gathered = self.accelerator.gather(data)
+        world, sp = self.layout.world_size, self.layout.sp_size
+
+        def one_per_group(t):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            blocks = t.reshape(world, -1, *t.shape[1:])  # rank-major blocks
+            return blocks[::sp].reshape(-1, *t.shape[1:])
+
+        data = recursively_apply(one_per_group, gathered) if sp > 1 else gathered
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self.gather_function = self._gather_replicas  # the Trainer resets it at the end of the loop
+        self._eval_step_count, self._eval_batch_losses = 0, []
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        self._eval_steps[metric_key_prefix] = self._eval_step_count
+        losses = np.array(self._eval_batch_losses)
+        if f"{metric_key_prefix}_loss" in output.metrics and losses.size:
+            # One process averages its batches' losses with equal weight; each of our steps is one
+            # global batch, whose loss is the same on every rank.
+            finite = np.isfinite(losses)
+            if self.args.logging_nan_inf_filter and finite.any():
+                losses = losses[finite]
+            output.metrics[f"{metric_key_prefix}_loss"] = float(losses.mean())
+        return output
+
+    def _fix_speed_metrics(self, metrics: dict):
+        """The Trainer counts eval steps as samples / (batch * world); an SP group takes one step per
+        global batch together, so the real count is what the loop ran."""
+        for prefix, steps in self._eval_steps.items():
+            runtime = metrics.get(f"{prefix}_runtime")
+            if runtime and f"{prefix}_steps_per_second" in metrics:
+                metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
+
+    def log(self, logs, *args, **kwargs):
+        self._fix_speed_metrics(logs)
+        return super().log(logs, *args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        output = super().predict(*args, **kwargs)
+        self._fix_speed_metrics(output.metrics)
+        return output
