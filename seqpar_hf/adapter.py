@@ -18,10 +18,12 @@ import functools
 import inspect
 
 import torch
+import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
 from . import local_attention
+from .checks import check_same_batch
 from .comm import all_gather_cat
 from .families import ModelFamily, inspect_model
 from .layout import ParallelLayout
@@ -151,7 +153,7 @@ class PatchState:
 # public API
 
 
-def patch_model(model, layout: ParallelLayout):
+def patch_model(model, layout: ParallelLayout, check_inputs: bool = True):
     """Make `model` (this instance) sequence-parallel over `layout`'s SP group and return it.
 
     Every rank of an SP group must then pass the same, full batch; the model shards it along the
@@ -159,6 +161,8 @@ def patch_model(model, layout: ParallelLayout):
     the same on every rank; `out.logits` is this rank's shard of the sequence ([b, s_local, vocab],
     padding included): `gather_logits(model, out.logits)` returns the full logits. Gradients are
     complete once a data-parallel wrapper (DDP/FSDP/accelerate) averages them over the world.
+    `check_inputs` verifies, with one tiny all-gather per forward, that the ranks of the group got the
+    same batch, and raises on every rank otherwise.
     """
     state = getattr(model, _STATE, None)
     if state is not None:
@@ -173,6 +177,7 @@ def patch_model(model, layout: ParallelLayout):
     _register()
     _own_config(model)
     state = PatchState(model, layout, family, attn_implementation)
+    state.check_inputs = check_inputs
     for site in family.attention:
         setattr(site.module, _SITE, AttentionSite(state, site.q_side, site.kv_side))
     for side, module in family.position_embeddings.items():
@@ -278,10 +283,17 @@ def _sp_forward(model, state: PatchState, original_forward, *args, **kwargs):
             return original_forward(**kwargs)
     if kwargs.get("logits_to_keep", 0) not in (0, None):
         raise ValueError("logits_to_keep is not supported under sequence parallelism (generation runs without SP)")
+    layout = state.layout
+    if layout.enabled:
+        if not dist.is_initialized():
+            raise RuntimeError(f"this model is patched for sequence parallelism ({layout}) but no process group is "
+                               "initialised any more; call seqpar_hf.unpatch_model(model) to use it in one process")
+        if state.check_inputs:
+            device = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), model.device)
+            check_same_batch(kwargs, model.training, layout.sp_group, device)
     return_dict = kwargs.pop("return_dict", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     label_smoothing = kwargs.pop("label_smoothing", 0.0)
-    layout = state.layout
     if state.family.kind == "seq2seq":
         kwargs, labels = _shard_seq2seq(model, state, kwargs)
     else:

@@ -10,7 +10,7 @@ the same global batch logs.
 
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,12 +18,18 @@ import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import recursively_apply
+from torch.utils.data import SequentialSampler
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers.trainer_utils import has_length
 
 from .adapter import gather_logits, is_patched, patch_model
 from .comm import group_size
 from .layout import MODES, ParallelLayout, validate_sizes
 from .loss import IGNORE_INDEX
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
 @dataclass
@@ -40,6 +46,10 @@ class SequenceParallelArguments(Seq2SeqTrainingArguments):
     sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
 
     def __post_init__(self):
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            # a multi-process launch on a machine without GPUs: run the processes on CPU (gloo) rather than
+            # as unrelated single processes (accelerate does that unless ACCELERATE_USE_CPU=1 is set)
+            self.use_cpu = True
         super().__post_init__()
         validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size)  # fail before any collective
 
@@ -91,6 +101,13 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
             use_stateful_dataloader=acc.use_stateful_dataloader)
         acc._dataloaders.append(prepared)
         return prepared
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Evaluation and prediction keep the dataset's order (transformers would group them by length
+        # under train_sampling_strategy="group_by_length"), so predictions line up with the dataset.
+        if eval_dataset is None or not has_length(eval_dataset):
+            return None
+        return SequentialSampler(eval_dataset)
 
     def get_sp_size(self) -> int:
         return self.layout.sp_size  # the Trainer divides the world by it to count data-parallel replicas
@@ -166,19 +183,7 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
                     logits = gather_logits(self.accelerator.unwrap_model(model), outputs.logits)
         if prediction_loss_only:
             return loss, None, None
-        if labels is not None and self.args.predict_with_generate:
-            labels = self._pad_labels(labels)
-        return loss, logits, labels
-
-    def _gen_config_length(self) -> int:
-        config = self.model.generation_config
-        if config.max_new_tokens is not None:
-            return config.max_new_tokens + 1
-        return config.max_length
-
-    def _pad_labels(self, labels):
-        length = self._gen_config_length()
-        return self._pad_tensors_to_max_len(labels, length) if labels.shape[-1] < length else labels
+        return loss, logits, labels  # different lengths across batches and ranks are padded by the loop
 
     def _generate(self, inputs, gen_kwargs) -> torch.Tensor:
         """Generate without SP: this SP rank takes its slice of the group's batch; slices are
@@ -194,9 +199,6 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
         mine = {k: v[bounds[rank]:bounds[rank + 1]] for k, v in generation_inputs.items()}
         model = self.accelerator.unwrap_model(self.model)
         tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
-        length = self._gen_config_length()
-        if tokens is not None and tokens.shape[-1] < length:
-            tokens = self._pad_tensors_to_max_len(tokens, length)
         if sp == 1:
             return tokens
         pieces = [None] * sp

@@ -48,34 +48,106 @@ class Recorder(TrainerCallback):
         self.logs.append({"step": state.global_step, **(logs or {})})
 
 
-def run(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoothing: float = 0.0, steps: int = 6,
-        mode: str = "ulysses", extra: dict | None = None, eval_batch: int | None = None) -> list[dict]:
-    """Train a tiny Marian for `steps` steps, evaluating every 3; return the logs (world rank 0's).
+def make_trainer(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoothing: float = 0.0, steps: int = 6,
+                 mode: str = "ulysses", extra: dict | None = None, eval_batch: int | None = None,
+                 output_dir: str | None = None, train_size: int = 48, eval_size: int = 13):
+    """A tiny Marian and its trainer: `steps` steps, evaluating every 3, logging every step.
 
-    sp=0: the plain transformers Seq2SeqTrainer in one process (the reference). Otherwise
+    sp=0: the plain transformers Seq2SeqTrainer (the reference, one process). Otherwise
     SequenceParallelTrainer with `batch` per device and `accumulation` steps.
     """
     model = build_model("marian", heads=4)
-    train, evaluation = synthetic_dataset(48, seed=1), synthetic_dataset(13, seed=2)
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, per_device_eval_batch_size=eval_batch or batch,
-                  gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3,
-                  lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=3,
-                  save_strategy="no", report_to=[], seed=0, label_smoothing_factor=label_smoothing,
-                  use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, **(extra or {}))
+    train, evaluation = synthetic_dataset(train_size, seed=1), synthetic_dataset(eval_size, seed=2)
+    common = dict(output_dir=output_dir or tempfile.mkdtemp(), per_device_train_batch_size=batch,
+                  per_device_eval_batch_size=eval_batch or batch, gradient_accumulation_steps=accumulation,
+                  max_steps=steps, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
+                  eval_strategy="steps", eval_steps=3, save_strategy="no", report_to=[], seed=0,
+                  label_smoothing_factor=label_smoothing, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    common.update(extra or {})
     recorder = Recorder()
+    kwargs = dict(model=model, train_dataset=train, eval_dataset=evaluation, data_collator=collate,
+                  callbacks=[recorder])
     if sp == 0:
-        args = Seq2SeqTrainingArguments(**common)
-        trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                                 data_collator=collate, callbacks=[recorder])
+        trainer = Seq2SeqTrainer(args=Seq2SeqTrainingArguments(**common), **kwargs)
     else:
         args = seqpar_hf.SequenceParallelArguments(sp_size=sp, sp_mode=mode, **common)
-        trainer = seqpar_hf.SequenceParallelTrainer(model=model, args=args, train_dataset=train,
-                                                    eval_dataset=evaluation, data_collator=collate,
-                                                    callbacks=[recorder])
-    trainer.train()
+        trainer = seqpar_hf.SequenceParallelTrainer(args=args, **kwargs)
+    return trainer, recorder
+
+
+def run(resume: str | None = None, **kwargs) -> list[dict]:
+    """Train (or resume from checkpoint `resume`) and return the logs."""
+    trainer, recorder = make_trainer(**kwargs)
+    trainer.train(resume_from_checkpoint=resume)
     return recorder.logs
 
 
 def run_many(configs: list[dict]) -> list[list[dict]]:
     """Several `run`s in one process group (one spawn)."""
     return [run(**c) for c in configs]
+
+
+def _row_id(row: torch.Tensor) -> tuple:
+    return tuple(t for t in row.tolist() if t != 0)  # the example's source tokens (random, so unique)
+
+
+def data_and_prediction_checks(drop_last: bool) -> dict:
+    """sp=2 x dp=2: one epoch of training batches; predict() with logits and with generation."""
+    import torch.distributed as dist
+
+    # group_by_length: batches of similar length for training; evaluation must keep the dataset order
+    trainer, _ = make_trainer(sp=2, batch=3, eval_batch=3, train_size=22, eval_size=13,
+                              extra=dict(dataloader_drop_last=drop_last, train_sampling_strategy="group_by_length"))
+    layout = trainer.layout
+    epoch = [[_row_id(r) for r in batch["input_ids"]] for batch in trainer.get_train_dataloader()]
+    epochs = [None] * layout.world_size
+    dist.all_gather_object(epochs, epoch)
+    result = {"epochs": epochs, "sp_size": layout.sp_size, "train": [_row_id(torch.tensor(r))
+                                                                       for r in trainer.train_dataset["input_ids"]]}
+    if drop_last:
+        return result
+
+    dataset = trainer.eval_dataset
+    reference = build_model("marian", heads=4).eval()  # same seed: the weights the trainer holds
+    output = trainer.predict(dataset)
+    errors = []
+    for i in range(len(dataset)):
+        single = collate([dataset[i]])
+        with torch.no_grad():
+            expected = reference(**single).logits[0]
+        got = torch.as_tensor(output.predictions[i, :expected.shape[0]])
+        errors.append(((got - expected).norm() / expected.norm()).item())
+    result.update(n_predictions=len(output.predictions), n_labels=len(output.label_ids), logits_err=max(errors),
+                  steps=output.metrics["test_steps_per_second"] * output.metrics["test_runtime"])
+
+    trainer.args.predict_with_generate = True
+    generated = trainer.predict(dataset, max_new_tokens=6).predictions
+    mismatches = 0
+    for i in range(len(dataset)):
+        single = collate([dataset[i]])
+        expected = reference.generate(input_ids=single["input_ids"], attention_mask=single["attention_mask"],
+                                      max_new_tokens=6, do_sample=False)[0].tolist()
+        got = [t for t in generated[i].tolist() if t >= 0]
+        mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
+    result.update(n_generated=len(generated), generation_mismatches=mismatches)
+    return result
+
+
+def resume_run(output_dir: str) -> dict:
+    """sp=2: 6 steps saving at step 3; then a fresh trainer resumes from checkpoint-3."""
+    extra = dict(save_strategy="steps", save_steps=3)
+    full = run(sp=2, steps=6, output_dir=output_dir, extra=extra)
+    resumed = run(sp=2, steps=6, output_dir=output_dir + "-resumed", extra=extra,
+                  resume=os.path.join(output_dir, "checkpoint-3"))
+    return {"full": full, "resumed": resumed}
+
+
+def plain_eval(checkpoint: str) -> float:
+    """One process, plain transformers: load the checkpoint and evaluate it like the trainer did."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(checkpoint)
+    args = Seq2SeqTrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=8, report_to=[],
+                                    use_cpu=True, disable_tqdm=True)
+    trainer = Seq2SeqTrainer(model=model, args=args, data_collator=collate)
+    return trainer.evaluate(synthetic_dataset(13, seed=2))["eval_loss"]

@@ -1,0 +1,226 @@
+"""Train an English->French Marian-style translation model on Tatoeba, with sequence parallelism.
+
+Launch (from the repository root):
+
+    # 1 process, the defaults: ~25 minutes on a 2-core CPU, test BLEU >= 30
+    accelerate launch recipes/train_translation.py
+
+    # 2 CPU processes, one SP group of 2 (each rank holds half of every sequence)
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/train_translation.py --sp_size 2
+    accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py --sp_size 2
+
+    # long documents (32 sentence pairs each) so that splitting sequences matters
+    accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
+        --sp_size 2 --pack_sentences 32
+
+    # 8 GPUs: SP groups of 4 (Ulysses) x 2 data-parallel replicas, bf16, long documents
+    accelerate launch --config_file recipes/accelerate_8gpu.yaml recipes/train_translation.py \
+        --sp_size 4 --sp_mode ulysses --pack_sentences 64 --bf16 --per_device_train_batch_size 16
+
+`python recipes/train_translation.py --help` lists every flag: the recipe's own (model size, data)
+and all of `SequenceParallelArguments` (= `Seq2SeqTrainingArguments` + `--sp_size`, `--sp_mode`,
+`--sp_ring_size`). The trained model and tokenizer are saved in `--output_dir` as a plain
+transformers checkpoint (`MarianMTModel.from_pretrained(output_dir)` needs no seqpar_hf).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import evaluate
+import numpy as np
+import transformers
+from transformers import (DataCollatorForSeq2Seq, HfArgumentParser, MarianConfig, MarianMTModel, TrainerCallback,
+                          set_seed)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
+import translation_data  # noqa: E402
+
+import seqpar_hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("train_translation")
+
+
+@dataclass
+class ModelArguments:
+    d_model: int = field(default=256, metadata={"help": "Hidden size."})
+    encoder_layers: int = field(default=3, metadata={"help": "Encoder layers."})
+    decoder_layers: int = field(default=3, metadata={"help": "Decoder layers."})
+    attention_heads: int = field(default=4, metadata={"help": "Attention heads (encoder and decoder)."})
+    ffn_dim: int = field(default=1024, metadata={"help": "Feed-forward size."})
+    dropout: float = field(default=0.1, metadata={"help": "Dropout on hidden states."})
+    attention_dropout: float = field(default=0.0, metadata={"help": "Dropout on attention weights (0 for ring modes)."})
+
+
+@dataclass
+class DataArguments:
+    vocab_size: int = field(default=8000, metadata={"help": "Shared English+French BPE vocabulary."})
+    pack_sentences: int = field(default=1, metadata={
+        "help": "Concatenate N consecutive pairs into one source/target document (long sequences for SP)."})
+    max_source_length: int = field(default=0, metadata={"help": "Truncate sources to this many tokens "
+                                                                "(0: 80 x pack_sentences, which truncates nothing)."})
+    max_target_length: int = field(default=0, metadata={"help": "Same for targets."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
+    max_eval_samples: int | None = field(default=400, metadata={
+        "help": "Validation examples for the periodic evaluation (BLEU by greedy decoding)."})
+    max_test_samples: int | None = field(default=None, metadata={"help": "Test examples (default: all)."})
+    max_pairs: int | None = field(default=None, metadata={
+        "help": "Read only the first N pairs of the data file (its shortest sentences; for quick tests)."})
+    test_num_beams: int = field(default=4, metadata={"help": "Beam size for the final test translation."})
+    max_train_minutes: float = field(default=22.0, metadata={
+        "help": "Stop training after this many minutes (evaluation, test and saving follow); 0: no limit."})
+    num_examples_to_print: int = field(default=5, metadata={"help": "Test translations printed at the end."})
+    data_cache_dir: str = field(default=str(ROOT / "cache"), metadata={"help": "Where preprocessed data is cached."})
+
+
+# Defaults of the training arguments for this recipe (each one fits the 2-core CPU budget; override any).
+TRAINING_DEFAULTS = dict(
+    output_dir=str(ROOT / "runs" / "translation"),
+    overwrite_output_dir=True,
+    per_device_train_batch_size=96,  # sentences; ~1k target tokens per step
+    per_device_eval_batch_size=128,
+    learning_rate=1.5e-3,  # small model, inverse-sqrt decay after warmup
+    lr_scheduler_type="inverse_sqrt",
+    warmup_steps=300,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    label_smoothing_factor=0.1,
+    num_train_epochs=3,  # upper bound: --max_train_minutes usually ends training first
+    train_sampling_strategy="group_by_length",  # ~2x fewer padding tokens than random batches
+    logging_steps=50,
+    eval_strategy="steps",
+    eval_steps=700,
+    save_strategy="no",  # the final model is saved at the end
+    predict_with_generate=True,
+    generation_num_beams=1,  # greedy for the periodic evaluation; --test_num_beams for the test set
+    report_to="none",
+    dataloader_num_workers=0,
+    seed=0,
+)
+
+
+class TimeBudget(TrainerCallback):
+    """Ends training after `minutes` (evaluation, test and saving then run as usual)."""
+
+    def __init__(self, minutes: float):
+        self.seconds, self.start = minutes * 60, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.seconds > 0 and time.time() - self.start > self.seconds:
+            logger.info("time budget of %.1f minutes reached at step %d", self.seconds / 60, state.global_step)
+            control.should_training_stop = True
+            control.should_evaluate = True
+
+
+def parse_args(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, seqpar_hf.SequenceParallelArguments))
+    known = {a.dest for a in parser._actions}
+    parser.set_defaults(**{k: v for k, v in TRAINING_DEFAULTS.items() if k in known})
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def build_model(model_args: ModelArguments, tokenizer, max_length: int) -> MarianMTModel:
+    config = MarianConfig(
+        vocab_size=len(tokenizer), decoder_vocab_size=len(tokenizer), share_encoder_decoder_embeddings=True,
+        d_model=model_args.d_model, encoder_layers=model_args.encoder_layers, decoder_layers=model_args.decoder_layers,
+        encoder_attention_heads=model_args.attention_heads, decoder_attention_heads=model_args.attention_heads,
+        encoder_ffn_dim=model_args.ffn_dim, decoder_ffn_dim=model_args.ffn_dim, dropout=model_args.dropout,
+        attention_dropout=model_args.attention_dropout, activation_dropout=0.0, scale_embedding=True,
+        max_position_embeddings=max_length + 2, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+        forced_eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    model = MarianMTModel(config)
+    model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]  # never generate <pad> after the start
+    return model
+
+
+def bleu_metric():
+    return evaluate.load(str(ROOT / "metrics" / "sacrebleu_local"))
+
+
+def make_compute_metrics(tokenizer, references: list[list[str]], metric):
+    """BLEU of detokenized greedy translations against all French references of each sentence."""
+    def compute_metrics(prediction):
+        ids = np.where(prediction.predictions < 0, tokenizer.pad_token_id, prediction.predictions)
+        hypotheses = translation_data.decode_french(tokenizer, ids.tolist())
+        result = metric.compute(predictions=hypotheses, references=references[:len(hypotheses)])
+        logger.info("BLEU %.2f (sacrebleu %s)", result["score"], result["signature"])
+        return {"bleu": result["score"]}
+    return compute_metrics
+
+
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if not training_args.should_log:
+        logger.setLevel(logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    set_seed(training_args.seed)
+    started = time.time()
+
+    pack = data_args.pack_sentences
+    max_source = data_args.max_source_length or 80 * pack
+    max_target = data_args.max_target_length or 80 * pack
+    with training_args.main_process_first(desc="preparing the data"):  # rank 0 builds the cache, others read it
+        tokenizer, splits = translation_data.prepare(
+            data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed, pack_sentences=pack,
+            max_source_length=max_source, max_target_length=max_target, max_pairs=data_args.max_pairs)
+    train, validation, test = splits["train"], splits["validation"], splits["test"]
+    if data_args.max_train_samples:
+        train = train.select(range(min(data_args.max_train_samples, len(train))))
+    if data_args.max_eval_samples:
+        validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
+    if data_args.max_test_samples:
+        test = test.select(range(min(data_args.max_test_samples, len(test))))
+    logger.info("data: %d train / %d validation / %d test examples (%d sentence pairs each); prepared in %.0f s",
+                len(train), len(validation), len(test), pack, time.time() - started)
+
+    model = build_model(model_args, tokenizer, max(max_source, max_target))
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: Marian d=%d, %d+%d layers, %d heads, %.1fM parameters; %s", model_args.d_model,
+                model_args.encoder_layers, model_args.decoder_layers, model_args.attention_heads, n_params / 1e6,
+                f"sp_size={training_args.sp_size} ({training_args.sp_mode})")
+    training_args.generation_max_length = max_target
+    metric = bleu_metric()
+    columns = ["input_ids", "attention_mask", "labels"]
+    trainer = seqpar_hf.SequenceParallelTrainer(
+        model=model, args=training_args, train_dataset=train.select_columns(columns),
+        eval_dataset=validation.select_columns(columns), processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        compute_metrics=make_compute_metrics(tokenizer, validation["fr_refs"], metric),
+        callbacks=[TimeBudget(data_args.max_train_minutes)])
+    logger.info("%s", trainer.layout)
+
+    trainer.train()
+    trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)
+
+    # Test: beam search, each English sentence scored against all its French translations.
+    trainer.compute_metrics = make_compute_metrics(tokenizer, test["fr_refs"], metric)
+    output = trainer.predict(test.select_columns(columns), metric_key_prefix="test",
+                             num_beams=data_args.test_num_beams, max_length=max_target)
+    trainer.log_metrics("test", output.metrics)
+    if trainer.is_world_process_zero():
+        ids = np.where(output.predictions < 0, tokenizer.pad_token_id, output.predictions)
+        hypotheses = translation_data.decode_french(tokenizer, ids[:data_args.num_examples_to_print].tolist())
+        print("\nTest translations:")
+        for en, refs, hyp in zip(test["en"], test["fr_refs"], hypotheses):
+            print(f"  EN:  {en}\n  REF: {refs[0]}\n  OUT: {hyp}\n")
+        print(f"test BLEU {output.metrics['test_bleu']:.2f} (beam {data_args.test_num_beams}); "
+              f"total time {(time.time() - started) / 60:.1f} min")
+        print(f"saved model: {os.path.abspath(training_args.output_dir)}")
+    return output.metrics
+
+
+if __name__ == "__main__":
+    main()
