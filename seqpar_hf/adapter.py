@@ -27,7 +27,8 @@ from .checks import check_same_batch
 from .comm import all_gather_cat
 from .families import ModelFamily, inspect_model
 from .layout import ParallelLayout
-from .loss import IGNORE_INDEX, sequence_parallel_loss
+from .batch import shard_causal, shard_seq2seq
+from .loss import sequence_parallel_loss
 from .rng import LayerDropSync, per_rank_stream
 from .sharding import ShardPlan
 from .ring import RingSpec, ring_attention
@@ -294,11 +295,10 @@ def _sp_forward(model, state: PatchState, original_forward, *args, **kwargs):
     return_dict = kwargs.pop("return_dict", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     label_smoothing = kwargs.pop("label_smoothing", 0.0)
-    if state.family.kind == "seq2seq":
-        kwargs, labels = _shard_seq2seq(model, state, kwargs)
-    else:
-        kwargs, labels = _shard_causal(model, state, kwargs)
-    kwargs["use_cache"] = False
+    batch = (shard_seq2seq if state.family.kind == "seq2seq" else shard_causal)(model, layout, kwargs)
+    kwargs, labels = batch.inputs, batch.labels
+    state.plans, state.positions = batch.plans, batch.positions
+    kwargs["use_cache"] = False  # no cache under SP: its lengths would be local
     training = model.training
     rng = per_rank_stream(layout.sp_rank, labels.device if labels is not None else model.device) \
         if training and layout.enabled else contextlib.nullcontext()
@@ -311,75 +311,3 @@ def _sp_forward(model, state: PatchState, original_forward, *args, **kwargs):
         loss = sequence_parallel_loss(out.logits, labels, layout.sp_group, layout.sp_size, num_items, label_smoothing)
         out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
     return out if return_dict is not False else out.to_tuple()
-
-
-def _full_mask(mask, batch: int, length: int, device) -> torch.Tensor:
-    if mask is None:
-        return torch.ones(batch, length, dtype=torch.bool, device=device)
-    if mask.dim() != 2:
-        raise ValueError(f"seqpar_hf takes 2D padding masks [batch, seq]; got a {mask.dim()}D mask of shape "
-                         f"{tuple(mask.shape)}")
-    return mask.bool()
-
-
-def _plan(state: PatchState, side: str, length: int, zigzag: bool) -> ShardPlan:
-    layout = state.layout
-    plan = ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag)
-    state.plans[side] = plan
-    return plan
-
-
-def _shard_tokens(plan: ShardPlan, ids, embeds, pad_id: int):
-    """Pad and shard ids [b, s] or embeddings [b, s, d] along the sequence."""
-    if ids is not None:
-        return plan.pad_and_shard(ids, pad_id), None
-    return None, plan.pad_and_shard(embeds, 0.0)
-
-
-def _length(ids, embeds, what: str) -> tuple[int, int, torch.device]:
-    x = ids if ids is not None else embeds
-    if x is None:
-        raise ValueError(f"the patched forward needs {what}")
-    return x.shape[0], x.shape[1], x.device
-
-
-def _shard_seq2seq(model, state: PatchState, kw: dict):
-    config = model.config
-    labels = kw.pop("labels", None)
-    if labels is not None and kw.get("decoder_input_ids") is None and kw.get("decoder_inputs_embeds") is None:
-        kw["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels)  # from the FULL labels
-    zigzag = state.layout.sizes.mode != "ulysses"  # decoder self-attention is causal: balance it in rings
-    b, s_src, device = _length(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
-    _, s_tgt, _ = _length(kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"),
-                          "labels, decoder_input_ids or decoder_inputs_embeds")
-    src, tgt = _plan(state, "encoder", s_src, False), _plan(state, "decoder", s_tgt, zigzag)
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
-    kw["input_ids"], kw["inputs_embeds"] = _shard_tokens(src, kw.get("input_ids"), kw.get("inputs_embeds"), pad)
-    kw["decoder_input_ids"], kw["decoder_inputs_embeds"] = _shard_tokens(
-        tgt, kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"), pad)
-    # The model gets the FULL padded masks: the mask function hands them to attention as key masks.
-    kw["attention_mask"] = src.pad(_full_mask(kw.get("attention_mask"), b, s_src, device), False)
-    kw["decoder_attention_mask"] = tgt.pad(_full_mask(kw.get("decoder_attention_mask"), b, s_tgt, device), False)
-    state.positions = {"encoder": src.positions(device), "decoder": tgt.positions(device)}
-    local_labels = None if labels is None else tgt.pad_and_shard(labels, IGNORE_INDEX)
-    return kw, local_labels
-
-
-def _shard_causal(model, state: PatchState, kw: dict):
-    labels, shift_labels = kw.pop("labels", None), kw.pop("shift_labels", None)
-    if shift_labels is None and labels is not None:
-        # shift on the FULL sequence, so the token after a shard boundary keeps its label
-        shift_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-    zigzag = state.layout.sizes.mode != "ulysses"
-    b, s, device = _length(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
-    plan = _plan(state, "decoder", s, zigzag)
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    kw["input_ids"], kw["inputs_embeds"] = _shard_tokens(plan, kw.get("input_ids"), kw.get("inputs_embeds"), pad)
-    kw["attention_mask"] = plan.pad(_full_mask(kw.get("attention_mask"), b, s, device), False)
-    position_ids = kw.get("position_ids")
-    if position_ids is None:
-        kw["position_ids"] = plan.positions(device).unsqueeze(0)  # [1, s_loc] global positions
-    else:
-        kw["position_ids"] = plan.pad_and_shard(position_ids, 0)
-    local_labels = None if shift_labels is None else plan.pad_and_shard(shift_labels, IGNORE_INDEX)
-    return kw, local_labels

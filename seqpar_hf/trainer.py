@@ -44,6 +44,9 @@ class SequenceParallelArguments(Seq2SeqTrainingArguments):
                 "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them.",
         "choices": list(MODES)})
     sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
+    # transformers' default is 1800 s. A rank that dies mid-collective leaves the others waiting this long
+    # (when no launcher kills them first): 10 minutes still covers a checkpoint save on rank 0.
+    ddp_timeout: int = field(default=600, metadata={"help": "Timeout (s) of the process group's collectives."})
 
     def __post_init__(self):
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
