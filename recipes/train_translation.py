@@ -63,7 +63,8 @@ class ModelArguments:
 class DataArguments:
     vocab_size: int = field(default=8000, metadata={"help": "Shared English+French BPE vocabulary."})
     pack_sentences: int = field(default=1, metadata={
-        "help": "Concatenate N consecutive pairs into one source/target document (long sequences for SP)."})
+        "help": "Concatenate N consecutive pairs into one source/target document (long sequences for SP). "
+                "Default batch sizes and --max_eval_samples are divided by N (same sentences per step)."})
     max_source_length: int = field(default=0, metadata={"help": "Truncate sources to this many tokens "
                                                                 "(0: 80 x pack_sentences, which truncates nothing)."})
     max_target_length: int = field(default=0, metadata={"help": "Same for targets."})
@@ -170,6 +171,12 @@ def main(argv=None):
     started = time.time()
 
     pack = data_args.pack_sentences
+    if pack > 1:  # keep ~the same number of sentences per step and per evaluation as unpacked
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if getattr(training_args, name) == TRAINING_DEFAULTS[name]:
+                setattr(training_args, name, max(1, TRAINING_DEFAULTS[name] // pack))
+        if data_args.max_eval_samples == DataArguments.max_eval_samples:
+            data_args.max_eval_samples = max(8, DataArguments.max_eval_samples // pack)
     max_source = data_args.max_source_length or 80 * pack
     max_target = data_args.max_target_length or 80 * pack
     with training_args.main_process_first(desc="preparing the data"):  # rank 0 builds the cache, others read it
