@@ -111,8 +111,7 @@ class AttentionSite:
                 return ring_attention(q, k, v, self._ring_spec(q, key_mask, causal, scale, kv_for_q))
         if layout.ulysses_size == 1:
             rep = q.shape[1] // k.shape[1]
-            kv_for_q = None if rep == 1 else torch.arange(q.shape[1], device=q.device) // rep
-            return inner(q, k, v, kv_for_q)
+            return inner(q, k, v, None if rep == 1 else tuple(i // rep for i in range(q.shape[1])))
         return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner)
 
     def _ring_spec(self, q, key_mask, causal, scale, kv_for_q) -> RingSpec:

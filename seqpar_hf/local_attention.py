@@ -26,17 +26,26 @@ def sdpa_mask(key_mask: torch.Tensor | None, q_len: int, causal: bool) -> tuple[
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
               causal: bool, scale: float | None, dropout: float = 0.0,
-              kv_for_q: torch.Tensor | None = None) -> torch.Tensor:
+              kv_for_q: tuple[int, ...] | None = None) -> torch.Tensor:
     """q [b, h, s_q, d], k/v [b, h_kv, s_k, d] -> [b, h, s_q, d].
 
-    `kv_for_q` [h] maps each query head to its kv head (grouped-query attention); None means the
-    heads correspond one to one. Fully masked rows give zeros (SDPA's behaviour).
+    `kv_for_q` gives each query head's kv head (grouped-query attention); None means the heads
+    correspond one to one. Fully masked rows give zeros (SDPA's behaviour).
     """
-    if kv_for_q is not None:
-        k = k.index_select(1, kv_for_q)  # [b, h_kv, s_k, d] -> [b, h, s_k, d]
-        v = v.index_select(1, kv_for_q)
     mask, is_causal = sdpa_mask(key_mask, q.shape[2], causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
+    gqa = False
+    if kv_for_q is not None:
+        rep = q.shape[1] // k.shape[1]
+        regular = kv_for_q == tuple(i // rep for i in range(q.shape[1]))
+        # SDPA's own GQA avoids copying K/V per query head; CUDA kernels take it only without a mask
+        # (as transformers decides), else SDPA would fall back to the math kernel.
+        if regular and (q.device.type == "cpu" or mask is None):
+            gqa = True
+        else:
+            index = torch.tensor(kv_for_q, device=q.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)  # [b, h_kv, s_k, d] -> [b, h, s_k, d]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                          scale=scale, enable_gqa=gqa)
 
 
 # ---------------------------------------------------------------------------------------------

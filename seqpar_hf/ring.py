@@ -31,7 +31,7 @@ class RingSpec:
     causal: bool
     zigzag: bool  # causal sequences in zigzag order: chunks i and 2n-1-i per ring rank
     scale: float
-    kv_for_q: torch.Tensor | None  # [h] kv head of each query head, None for one-to-one
+    kv_for_q: tuple[int, ...] | None  # kv head of each query head, None for one to one
 
 
 class _Ring:
@@ -107,6 +107,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec: RingSpec):
         n, ring = len(spec.ranks), _Ring(spec)
+        kv_index = None if spec.kv_for_q is None else torch.tensor(spec.kv_for_q, device=q.device)
         b, h, s_q, d = q.shape
         out = torch.zeros(b, h, s_q, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
@@ -116,7 +117,7 @@ class RingAttention(torch.autograd.Function):
             source = (spec.index - step) % n
             rows, cols, causal, allowed = _block(spec, source, s_q, k.shape[2])
             bias, valid = _bias(allowed, q.dtype, rows.stop - rows.start)
-            kb, vb = _expand(kv[0][:, :, cols], spec.kv_for_q), _expand(kv[1][:, :, cols], spec.kv_for_q)
+            kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
             o, l = block_forward(q[:, :, rows].contiguous(), kb.contiguous(), vb.contiguous(), bias, causal, spec.scale)
             if valid is not None:  # kernels report lse 0 for rows that saw no key: make it -inf
                 l = l.masked_fill(~valid, float("-inf"))
@@ -126,13 +127,13 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that saw no key at all: grads are 0 anyway
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec = spec
+        ctx.spec, ctx.kv_index = spec, kv_index
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        spec = ctx.spec
+        spec, kv_index = ctx.spec, ctx.kv_index
         n, ring = len(spec.ranks), _Ring(spec)
         s_q, s_k, heads_kv = q.shape[2], k.shape[2], k.shape[1]
         dout = dout.contiguous()
@@ -144,15 +145,15 @@ class RingAttention(torch.autograd.Function):
             source = (spec.index - step) % n
             rows, cols, causal, allowed = _block(spec, source, s_q, s_k)
             bias, _ = _bias(allowed, q.dtype, rows.stop - rows.start)
-            kb, vb = _expand(kv[0][:, :, cols], spec.kv_for_q), _expand(kv[1][:, :, cols], spec.kv_for_q)
+            kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
             dq_b, dk_b, dv_b = block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb.contiguous(),
                                               vb.contiguous(), out[:, :, rows].contiguous(),
                                               lse[:, :, rows].contiguous(), bias, causal, spec.scale)
             dq[:, :, rows] += dq_b.float()
             acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device) if carried is None \
                 else _Ring.wait(carried)
-            acc[0][:, :, cols] += _reduce(dk_b.float(), spec.kv_for_q, heads_kv)
-            acc[1][:, :, cols] += _reduce(dv_b.float(), spec.kv_for_q, heads_kv)
+            acc[0][:, :, cols] += _reduce(dk_b.float(), kv_index, heads_kv)
+            acc[1][:, :, cols] += _reduce(dv_b.float(), kv_index, heads_kv)
             carried = ring.start(acc)  # to the next rank, who holds this block at the next step
             if pending_kv is not None:
                 kv = _Ring.wait(pending_kv)

@@ -58,7 +58,8 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """query [b, h, s_q/n, d], key/value [b, h_kv, s_k/n, d] -> [b, h, s_q/n, d].
 
     `inner(q, k, v, kv_for_q)` computes attention over the full sequence for this rank's heads
-    (the local kernel, or a ring across Ulysses groups in hybrid mode).
+    (the local kernel, or a ring across Ulysses groups in hybrid mode); `kv_for_q` is a tuple giving
+    each local query head's local kv head, or None for one to one.
     """
     split = split_heads(query.shape[1], key.shape[1], group_size(group))
     q = seq_to_heads(query, list(split.q_sizes), group)  # [b, h, s_q/n, d] -> [b, h_r, s_q, d]
@@ -67,6 +68,6 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         key, value = key.index_select(1, send), value.index_select(1, send)  # [b, sum(kv_sizes), s_k/n, d]
     k = seq_to_heads(key, list(split.kv_sizes), group)  # -> [b, kv_r, s_k, d]
     v = seq_to_heads(value, list(split.kv_sizes), group)
-    out = inner(q, k, v, _index(split.kv_for_q[rank], q.device))  # [b, h_r, s_q, d]
+    out = inner(q, k, v, split.kv_for_q[rank])  # [b, h_r, s_q, d]
     return heads_to_seq(out, list(split.q_sizes), group)  # -> [b, h, s_q/n, d]
 

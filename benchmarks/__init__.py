@@ -1,0 +1,1 @@
+"""Benchmark scripts of seqpar_hf; see benchmarks/README.md. Run each as `python benchmarks/<name>.py`."""
