@@ -11,9 +11,9 @@ activations per transformer layer (Korthikanti et al. 2022, arXiv 2205.05198):
 34 s b h counts a GPT layer with 4h MLP and dropout masks; 5 a s^2 b is the stored attention matrix,
 which SDPA / flash attention never keeps, so the "no s^2" column (34 s b h * 2 / sp) is the closer one.
 
-    python benchmarks/activation_memory.py                 # 512-4096 tokens, ~4-6 min on 2 CPU cores
+    python benchmarks/activation_memory.py                 # 512-2048 tokens, ~3 min on 2 CPU cores (4096: 4 processes exceed 24 GB)
     python benchmarks/activation_memory.py --quick         # 64 / 128 tokens, < 1 min
-    python benchmarks/activation_memory.py --seq-lens 1024 4096 --models llama-gqa
+    python benchmarks/activation_memory.py --seq-lens 4096 --models llama-gqa --sp 2 4
 
 One spawn of max(sp) gloo processes (1 torch thread each) runs every layout in turn: sp=1 (and
 the unpatched model) on rank 0 alone with --sp1-threads threads while the others wait at a barrier,
@@ -152,7 +152,7 @@ def report(records: list[dict]) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["marian-base", "llama-gqa"], choices=sorted(MODELS))
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[512, 1024, 2048, 4096],
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[512, 1024, 2048],
                    help="full sequence lengths (Marian: source and target each), batch 1")
     p.add_argument("--sp", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--modes", nargs="+", default=["ulysses", "ring", "hybrid"], choices=["ulysses", "ring", "hybrid"])

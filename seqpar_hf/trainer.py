@@ -112,8 +112,10 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
             return None
         return SequentialSampler(eval_dataset)
 
-    def get_sp_size(self) -> int:
-        return self.layout.sp_size  # the Trainer divides the world by it to count data-parallel replicas
+    def get_total_train_batch_size(self, args) -> int:
+        # one SP group is one replica (transformers' get_sp_size is tied to accelerate's own SP, whose
+        # dataloader adapter changes the epoch length, so it stays 1 here)
+        return self._train_batch_size * args.gradient_accumulation_steps * self.layout.dp_size
 
     # ---- loss ---------------------------------------------------------------------------------------
 

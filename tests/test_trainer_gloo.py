@@ -10,7 +10,7 @@ from .spawn import spawn
 from .trainer_runs import run_many
 
 TOL = 1e-5  # relative, per logged value
-KEYS = ("loss", "grad_norm", "eval_loss")
+KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
 
 # (world, sp, per-device batch, accumulation, per-device eval batch): the same global batch of 8
 # everywhere, for training and evaluation (13 eval examples: the last global batch is partial).
