@@ -174,7 +174,9 @@ def main(argv=None):
     print(f"# activation memory: saved-for-backward bytes per rank, fp32, batch 1, forward only\n"
           f"{environment()}; {world} gloo process(es), 1 torch thread each (sp=1: rank 0 alone, "
           f"{args.sp1_threads} threads)\n")
-    records = spawn(_worker, world, args.models, args.seq_lens, layouts, args.sp1_threads, timeout=3600)[0]
+    records = []
+    for name in args.models:  # one spawn per model: memory is returned to the system in between
+        records += spawn(_worker, world, [name], args.seq_lens, layouts, args.sp1_threads, timeout=3600)[0]
     records = analyse(records)
     print(report(records))
     print("\nMegatron columns: all layers (Marian: 6 encoder + 6 decoder; its cross-attention is not in the "

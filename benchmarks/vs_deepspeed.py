@@ -57,7 +57,7 @@ def _deepspeed():
 def ds_local_attention(q, k, v, causal: bool, scale: float):
     """DeepSpeed hands the local kernel [b, s, h/n, d]; run the same SDPA call as ours."""
     rep = q.shape[2] // k.shape[2]
-    kv_for_q = None if rep == 1 else torch.arange(q.shape[2], device=q.device) // rep
+    kv_for_q = None if rep == 1 else tuple(i // rep for i in range(q.shape[2]))  # same GQA path as ours
     out = local_attention.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, scale,
                                     0.0, kv_for_q)  # [b, h/n, s, d]
     return out.transpose(1, 2)  # -> [b, s, h/n, d]
