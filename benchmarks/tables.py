@@ -79,15 +79,9 @@ def throughput(records: list[dict]) -> str:
 
 
 def vs_deepspeed(records: list[dict]) -> str:
-    rows = []
-    for r in records:
-        what = (f"attention h={r['heads']} kv={r['kv_heads']} d={r['head_dim']}" if r["part"] == "attention"
-                else f"{r['model']} training step")
-        rows.append({"w": what, "s": r["seq_len"], "c": "yes" if r["causal"] else "no",
-                     "o": f"{r['ours_s']['median']:.3f}", "d": f"{r['deepspeed_s']['median']:.3f}",
-                     "r": f"{r['ratio_median']:.3f} (±{100 * r['ratio']['spread']:.0f}%, n={r['ratio']['n']})"})
-    return table(rows, [("what", "w"), ("tokens", "s"), ("causal", "c"), ("ours s", "o"), ("DeepSpeed s", "d"),
-                        ("ratio ours / DeepSpeed (median, spread, rounds)", "r")])
+    from benchmarks.vs_deepspeed import report  # the script's own table
+
+    return report(records)
 
 
 def gpu_rank(records: list[dict]) -> str:
