@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
 from benchmarks.common import (FIGURES, MODELS, RESULTS, build_model, environment, fmt_bytes, make_batch,  # noqa: E402
-                               table, write_json)
+                               table, publish)
 
 TARGET_SLACK = 1.10  # saved(sp=N) may exceed saved(sp=1) / N by 10% (replicated masks, indices, loss terms)
 
@@ -182,10 +182,7 @@ def main(argv=None):
     print("\nMegatron columns: all layers (Marian: 6 encoder + 6 decoder; its cross-attention is not in the "
           "formula), fp16 formula x 2 for fp32. Measured includes embeddings and the loss (fp32 log-softmax "
           "of [s/sp, vocab]).")
-    write_json(json_path, records)
-    if not args.no_plot and json_path:
-        from benchmarks.plot import plot_activation_memory
-        print("figure:", plot_activation_memory(records, args.figures))
+    publish("activation_memory", records, json_path, args.figures, plot=not args.no_plot)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
 from benchmarks.common import (FIGURES, MODELS, RESULTS, CollectiveTap, attention_modules, build_model,  # noqa: E402
-                               ceil_to, environment, fmt_bytes, make_batch, table, write_json)
+                               ceil_to, environment, fmt_bytes, make_batch, table, publish)
 
 TOLERANCE = 0.05  # measured within 5% of the formula
 
@@ -303,10 +303,7 @@ def main(argv=None):
     raw = spawn(_worker, world, args.models, args.seq_len, args.tgt_len, layouts, timeout=1800)[0]
     records = analyse(raw)
     print(report(records))
-    write_json(json_path, records)
-    if not args.no_plot and json_path:
-        from benchmarks.plot import plot_comm_volume
-        print("figure:", plot_comm_volume(records, args.figures))
+    publish("comm_volume", records, json_path, args.figures, plot=not args.no_plot)
 
 
 if __name__ == "__main__":

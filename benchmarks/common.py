@@ -202,6 +202,15 @@ def write_json(path: str | Path | None, records: list[dict], quiet: bool = False
         print(f"\nwrote {len(records)} records to {path}")
 
 
+def publish(name: str, records: list[dict], json_path, figures, plot: bool = True) -> None:
+    """Write a benchmark's records to `json_path` and, after a full run, its figure to `figures`."""
+    write_json(json_path, records)
+    if plot and json_path:
+        from benchmarks.plot import PLOTS  # matplotlib only when drawing
+
+        print("figure:", PLOTS[name](records, figures))
+
+
 def environment() -> str:
     import transformers
 
@@ -268,5 +277,5 @@ def records_of(path: str | Path) -> list[dict]:
 
 
 __all__ = ["ModelSpec", "MODELS", "build_model", "make_batch", "enable_checkpointing", "disable_checkpointing", "attention_modules",
-           "summary", "fmt_bytes", "table", "write_json", "environment", "ceil_to", "CollectiveTap",
+           "summary", "fmt_bytes", "table", "write_json", "publish", "environment", "ceil_to", "CollectiveTap",
            "RESULTS", "FIGURES", "records_of"]

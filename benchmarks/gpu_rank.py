@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import seqpar_hf  # noqa: E402
 from benchmarks.common import (FIGURES, MODELS, RESULTS, CollectiveTap, build_model, disable_checkpointing,  # noqa: E402
                                enable_checkpointing, environment, fmt_bytes, make_batch, summary, table,
-                               write_json)
+                               publish, write_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,10 +297,7 @@ def main(argv=None):
           f"{environment()}\n")
     records = run(args, device, dtype, save=lambda recs: write_json(json_path, recs, quiet=True))
     print(report(records))
-    write_json(json_path, records)
-    if not args.no_plot and json_path:
-        from benchmarks.plot import plot_gpu_rank
-        print("figure:", plot_gpu_rank(records, args.figures))
+    publish("gpu_rank", records, json_path, args.figures, plot=not args.no_plot)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     args = parser.parse_args()
-    print(f"| sp | sharding | needed pairs, slowest rank / mean | computed pairs, slowest rank / mean |")
+    print("| sp | sharding | needed pairs, slowest rank / mean | computed pairs, slowest rank / mean |")
     print("|---|---|---|---|")
     for sp in (2, 4, 8):
         for zigzag in (False, True):

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import seqpar_hf  # noqa: E402
 from benchmarks.common import (FIGURES, MODELS, RESULTS, build_model, environment, make_batch, summary,  # noqa: E402
-                               table, write_json)
+                               table, publish)
 
 OVERHEAD_TARGET = 0.05
 
@@ -173,10 +173,7 @@ def main(argv=None):
         records += spawn(_long_worker, 2, spec.name, args.long_len, args.warmup, args.long_reps, timeout=3600)[0]
         records.append(single_process(spec, args.long_len, args.threads, args.warmup, args.long_reps))
     print(report(records))
-    write_json(json_path, records)
-    if not args.no_plot and json_path:
-        from benchmarks.plot import plot_throughput
-        print("figure:", plot_throughput(records, args.figures))
+    publish("throughput", records, json_path, args.figures, plot=not args.no_plot)
 
 
 if __name__ == "__main__":

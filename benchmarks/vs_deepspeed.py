@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
 from benchmarks.common import (FIGURES, MODELS, RESULTS, attention_modules, build_model, environment,  # noqa: E402
-                               make_batch, summary, table, write_json)
+                               make_batch, summary, table, publish)
 from seqpar_hf import local_attention  # noqa: E402
 from seqpar_hf.adapter import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
 from seqpar_hf.ulysses import ulysses_attention  # noqa: E402
@@ -235,10 +235,7 @@ def main(argv=None):
                                           "reps", "long_reps", "model_reps")}
     records = spawn(_worker, 2, cfg, timeout=3600)[0]
     print(report(records))
-    write_json(json_path, records)
-    if not args.no_plot and json_path:
-        from benchmarks.plot import plot_vs_deepspeed
-        print("figure:", plot_vs_deepspeed(records, args.figures))
+    publish("vs_deepspeed", records, json_path, args.figures, plot=not args.no_plot)
 
 
 if __name__ == "__main__":
