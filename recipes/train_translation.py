@@ -26,7 +26,6 @@ transformers checkpoint (`MarianMTModel.from_pretrained(output_dir)` needs no se
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time

@@ -38,7 +38,7 @@ def _seq_to_heads(x: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor
 
 def _heads_to_seq(y: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
     """[b, h_r, s, d] -> [b, h, s / n, d] (a transposed view of a contiguous [b, s / n, h, d])."""
-    n, r = len(head_sizes), dist.get_rank(group)
+    n = len(head_sizes)
     b, h_r, s, d = y.shape
     s_loc = s // n
     # [b, h_r, n, s_loc, d] -> [n, h_r, b, s_loc, d] -> [n * h_r, b, s_loc, d]: chunk j goes to rank j

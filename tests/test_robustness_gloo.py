@@ -99,7 +99,6 @@ def _odd_inputs():
     """Valid corner cases: loss as the unpatched model gives it (value, or NaN exactly where it gives NaN)."""
     import copy
     layout = seqpar_hf.ParallelLayout(sp_size=2)
-    rank = dist.get_rank()
     out = {}
 
     def compare(name, family, batch, dtype=torch.float32, embeds=False):
