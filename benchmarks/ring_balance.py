@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from seqpar_hf.sharding import ShardPlan
+from seqpar_hf.parallel.sharding import ShardPlan
 
 
 def needed_pairs(plan_index: torch.Tensor, key_index: torch.Tensor) -> int:

@@ -2,8 +2,8 @@
 side in the same 2 gloo processes (1 torch thread each), alternating runs.
 
 (a) Attention only: the same q, k, v ([b, s/2, h, d] per rank, as a projection produces them), the
-    same local kernel (seqpar_hf.local_attention.attention, i.e. SDPA), forward + backward, at
-    --seq-lens full tokens, causal and not. Ours: `seqpar_hf.ulysses.ulysses_attention`; DeepSpeed:
+    same local kernel (seqpar_hf.attention.kernels.unmasked, i.e. SDPA), forward + backward, at
+    --seq-lens full tokens, causal and not. Ours: `seqpar_hf.attention.ulysses.ulysses_attention`; DeepSpeed:
     `DistributedAttention(local, group, scatter_idx=2, gather_idx=1)` with batch_dim_idx=0.
 (b) Whole model: one training step (forward + backward) of the Llama-GQA model patched by seqpar_hf
     at sp=2, and of a copy whose attention sites call DeepSpeed's DistributedAttention instead of our
@@ -37,9 +37,9 @@ import torch.distributed as dist  # noqa: E402
 import seqpar_hf  # noqa: E402
 from benchmarks.common import (FIGURES, MODELS, RESULTS, attention_modules, build_model, environment,  # noqa: E402
                                make_batch, summary, table, publish)
-from seqpar_hf import local_attention  # noqa: E402
-from seqpar_hf.adapter import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
-from seqpar_hf.ulysses import ulysses_attention  # noqa: E402
+from seqpar_hf.attention import kernels  # noqa: E402
+from seqpar_hf.attention.ulysses import ulysses_attention  # noqa: E402
+from seqpar_hf.models.patch import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
 
 
 def _deepspeed():
@@ -58,8 +58,8 @@ def ds_local_attention(q, k, v, causal: bool, scale: float):
     """DeepSpeed hands the local kernel [b, s, h/n, d]; run the same SDPA call as ours."""
     rep = q.shape[2] // k.shape[2]
     kv_for_q = None if rep == 1 else tuple(i // rep for i in range(q.shape[2]))  # same GQA path as ours
-    out = local_attention.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, scale,
-                                    0.0, kv_for_q)  # [b, h/n, s, d]
+    out = kernels.unmasked(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale,
+                           kv_for_q)  # [b, h/n, s, d]
     return out.transpose(1, 2)  # -> [b, s, h/n, d]
 
 
@@ -104,7 +104,7 @@ def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_head
     q, k, v, grad = shard(heads), shard(kv_heads), shard(kv_heads), shard(heads).detach()
 
     def inner(q_, k_, v_, kv_for_q):
-        return local_attention.attention(q_, k_, v_, None, causal, scale, 0.0, kv_for_q)
+        return kernels.unmasked(q_, k_, v_, causal, scale, kv_for_q)
 
     ds_attn = DistributedAttention(ds_local_attention, group, scatter_idx=2, gather_idx=1)
 
@@ -143,8 +143,8 @@ def use_deepspeed_attention(model, DistributedAttention, group) -> None:
         site = getattr(module, _SITE)
         ds_attn = DistributedAttention(ds_local_attention, group, scatter_idx=2, gather_idx=1)
 
-        def attend(q, k, v, key_mask, causal, scale, dropout, ds_attn=ds_attn):
-            if key_mask is not None or dropout:
+        def attend(ctx, q, k, v, causal, window, scale, dropout, ds_attn=ds_attn):
+            if not ctx.spec(site.q_side, site.kv_side, causal, window).trivial or dropout:
                 raise NotImplementedError("the DeepSpeed comparison runs without padding and dropout")
             scale = q.shape[-1] ** -0.5 if scale is None else scale
             out = ds_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, causal, scale)

@@ -1,8 +1,9 @@
-"""seqpar_hf: sequence parallelism (Ulysses, ring, hybrid) for Hugging Face models and Trainer."""
+"""seqpar_hf: sequence parallelism (Ulysses, ring, hybrid) for Hugging Face models and trainers."""
 
-from .adapter import gather_logits, gather_sequence, is_patched, patch_model, sp_disabled, unpatch_model
-from .layout import ParallelLayout
-from .trainer import SequenceParallelArguments, SequenceParallelTrainer
+from .models.patch import (gather_logits, gather_sequence, is_patched, model_kind, patch_model, sp_disabled,
+                           unpatch_model)
+from .parallel.layout import ParallelLayout
+from .training.trainer import SequenceParallelArguments, SequenceParallelTrainer
 
-__all__ = ["ParallelLayout", "patch_model", "unpatch_model", "is_patched", "sp_disabled",
+__all__ = ["ParallelLayout", "patch_model", "unpatch_model", "is_patched", "sp_disabled", "model_kind",
            "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer"]

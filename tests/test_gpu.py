@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import seqpar_hf
-from seqpar_hf.local_attention import _math_backward, _math_forward, block_backward, block_forward
+from seqpar_hf.attention.kernels import block_backward, block_forward, math_backward as _math_backward, math_forward as _math_forward
 
 from .models import build_model, make_batch, relative_error
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqpar_hf.layout import ParallelLayout, validate_sizes
-from seqpar_hf.sharding import ShardPlan
-from seqpar_hf.ulysses import split_heads
+from seqpar_hf.parallel.layout import ParallelLayout, validate_sizes
+from seqpar_hf.parallel.sharding import ShardPlan
+from seqpar_hf.attention.ulysses import split_heads
 
 
 @pytest.mark.parametrize("world,sp,mode,ring,match", [

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar_hf
-from seqpar_hf.rng import per_rank_stream
+from seqpar_hf.models.rng import per_rank_stream
 
 from .models import build_model, make_batch
 from .spawn import spawn

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import seqpar_hf
-from seqpar_hf.comm import all_gather_cat
-from seqpar_hf.ring import RingSpec, ring_attention
-from seqpar_hf.sharding import ShardPlan
+from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+from seqpar_hf.attention.ring import RingPlan, ring_attention
+from seqpar_hf.parallel.comm import all_gather_cat
+from seqpar_hf.parallel.sharding import ShardPlan
 
 from .spawn import spawn
 
@@ -21,10 +22,10 @@ def _ring_on_shards(q, k, v, key_mask, causal, layout):
     plan = ShardPlan.build(q.shape[2], n, layout.sp_rank, n, zigzag=causal)
     idx = plan.global_index()
     shard = [x.index_select(2, idx).detach().requires_grad_() for x in (q, k, v)]
-    spec = RingSpec(group=layout.ring_group, ranks=layout.ring_ranks, index=layout.ring_rank, q_index=idx,
-                    k_index=[plan.ring_index(j) for j in range(n)], key_mask=key_mask, causal=causal,
-                    zigzag=causal, scale=q.shape[-1] ** -0.5, kv_for_q=None)
-    out = ring_attention(*shard, spec)
+    meta = SeqMeta(plan, key_mask, None)
+    ring = RingPlan.build(MaskSpec(meta, meta, causal), layout.ring_group, layout.ring_ranks, layout.ring_rank,
+                          plan.ring_index(layout.ring_rank), [plan.ring_index(j) for j in range(n)])
+    out = ring_attention(*shard, ring, q.shape[-1] ** -0.5)
     g = torch.Generator().manual_seed(7)
     grad_out = torch.randn(q.shape, generator=g).to(q.dtype).index_select(2, idx)
     out.backward(grad_out)

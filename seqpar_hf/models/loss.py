@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import group_size, group_sum
+from ..parallel.comm import group_size, group_sum
 
 IGNORE_INDEX = -100
 

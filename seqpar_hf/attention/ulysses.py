@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .comm import group_size, heads_to_seq, seq_to_heads
+from ..parallel.comm import group_size, heads_to_seq, seq_to_heads
 
 
 @dataclass(frozen=True)

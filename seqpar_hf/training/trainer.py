@@ -22,10 +22,10 @@ from torch.utils.data import SequentialSampler
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from transformers.trainer_utils import has_length
 
-from .adapter import gather_logits, is_patched, patch_model
-from .comm import group_size
-from .layout import MODES, ParallelLayout, validate_sizes
-from .loss import IGNORE_INDEX
+from ..models.loss import IGNORE_INDEX
+from ..models.patch import gather_logits, is_patched, model_kind, patch_model
+from ..parallel.comm import group_size
+from ..parallel.layout import MODES, ParallelLayout, validate_sizes
 
 
 def _has_accelerator() -> bool:
@@ -123,7 +123,7 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
         """Labelled tokens of these batches over all data-parallel replicas (causal LMs: shifted)."""
         if not batches or "labels" not in batches[0]:
             return None
-        shift = self.accelerator.unwrap_model(self.model)._seqpar_state.family.kind == "causal"
+        shift = model_kind(self.accelerator.unwrap_model(self.model)) == "causal"
         count = sum(((b["labels"][..., 1:] if shift else b["labels"]) != IGNORE_INDEX).sum() for b in batches)
         count = torch.as_tensor(count, device=self.args.device)
         if group_size(self.layout.dp_group) > 1:

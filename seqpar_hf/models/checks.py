@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .comm import _all_gather_single as all_gather_single, group_size
+from ..parallel.comm import _all_gather_single as all_gather_single, group_size
 
-FIELDS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels",
-          "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask")
+FIELDS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
+          "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "decoder_position_ids")
 _SLOTS = 6  # present, dtype, ndim, dim 0, dim 1, checksum
 _DTYPES = {dt: i for i, dt in enumerate((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                                          torch.float16, torch.bfloat16, torch.float32, torch.float64))}

@@ -29,26 +29,32 @@ def per_rank_stream(sp_rank: int, device: torch.device):
         yield
 
 
+class _SkippableForward:
+    """A layer's forward that returns its input when this forward's LayerDrop decision drops it. An
+    object, not a closure, so `copy.deepcopy` of the model rebinds it to the copied layer."""
+
+    def __init__(self, sync: "LayerDropSync", key: tuple[int, int], forward):
+        self.sync, self.key, self.forward = sync, key, forward
+        self.__wrapped__ = forward
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if self.sync.skip.get(self.key, False):
+            return hidden_states  # the layer is dropped: identity, as in the model's own loop
+        return self.forward(hidden_states, *args, **kwargs)
+
+
 class LayerDropSync:
     """Replaces the LayerDrop of `stacks` (modules with `layerdrop` and `layers`) by decisions that
     every rank of the group draws identically; reversible with `remove()`."""
 
     def __init__(self, stacks: list[nn.Module]):
-        self.stacks = [s for s in stacks if hasattr(s, "layerdrop") and hasattr(s, "layers")]
-        self.skip: dict[int, bool] = {}
+        self.stacks = [s for s in stacks if hasattr(s, "layerdrop")]
+        self.skip: dict[tuple[int, int], bool] = {}
         self._wrapped: list[tuple[nn.Module, object]] = []  # (layer, its previous instance forward or None)
-        for stack in self.stacks:
-            for layer in stack.layers:
+        for i, stack in enumerate(self.stacks):
+            for j, layer in enumerate(stack.layers):
                 self._wrapped.append((layer, layer.__dict__.get("forward")))
-                layer.forward = self._wrap(layer, layer.forward)
-
-    def _wrap(self, layer: nn.Module, forward):
-        def forward_or_skip(hidden_states, *args, **kwargs):
-            if self.skip.get(id(layer), False):
-                return hidden_states  # the layer is dropped: identity, as in the model's own loop
-            return forward(hidden_states, *args, **kwargs)
-        forward_or_skip.__wrapped__ = forward
-        return forward_or_skip
+                layer.forward = _SkippableForward(self, (i, j), layer.forward)
 
     @contextlib.contextmanager
     def decide(self, training: bool):
@@ -56,10 +62,10 @@ class LayerDropSync:
         saved = [s.layerdrop for s in self.stacks]
         self.skip = {}
         try:
-            for stack, p in zip(self.stacks, saved):
+            for i, (stack, p) in enumerate(zip(self.stacks, saved)):
                 if training and p > 0:
                     draws = torch.rand(len(stack.layers))  # shared stream: same on every rank
-                    self.skip.update({id(layer): bool(u < p) for layer, u in zip(stack.layers, draws)})
+                    self.skip.update({(i, j): bool(u < p) for j, u in enumerate(draws)})
                 stack.layerdrop = 0.0
             yield
         finally:

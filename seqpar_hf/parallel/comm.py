@@ -115,12 +115,43 @@ def group_sum(x: torch.Tensor, group, grad_scale: float = 1.0) -> torch.Tensor:
     return GroupSum.apply(x, group, grad_scale)
 
 
-@torch.no_grad()
-def all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Concatenate equal-shaped shards of all ranks along `dim` (no gradient: for eval outputs)."""
+def _gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     _all_gather_single(out, x.contiguous(), group=group)  # [n * x0, ...]: rank blocks along dim 0
-    return torch.cat(out.chunk(n, dim=0), dim=dim)
+    return torch.cat(out.chunk(n, dim=0), dim=dim)  # rank blocks along `dim`, in group order
+
+
+@torch.no_grad()
+def all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate equal-shaped shards of all ranks along `dim` (no gradient: for eval outputs)."""
+    return _gather_cat(x, group, dim)
+
+
+class GatherSequence(torch.autograd.Function):
+    """This rank's shard of a sequence -> the full sequence (sequence order, padding dropped), on every
+    rank of the group. Backward: this rank's slice of the incoming gradient, times `grad_scale`.
+
+    Used where code after the sharded part runs identically on every rank of the group (a foreign
+    loss on full hidden states): each rank then holds the group's full gradient there, and scaling the
+    slice by sp makes world-averaging wrappers (DDP, FSDP) sum the shards, as `GroupSum` does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, plan, group, grad_scale, dim):
+        ctx.plan, ctx.grad_scale, ctx.dim = plan, grad_scale, dim
+        return plan.unshard(_gather_cat(x, group, dim), dim)  # [.., s/sp, ..] -> [.., s, ..]
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = ctx.plan.pad_and_shard(grad, 0.0, ctx.dim)  # [.., s, ..] -> [.., s/sp, ..]
+        return local * ctx.grad_scale, None, None, None, None
+
+
+def gather_sequence(x: torch.Tensor, plan, group, grad_scale: float, dim: int = 1) -> torch.Tensor:
+    """Differentiable `GatherSequence`; the identity's unpadding for a group of one."""
+    if group_size(group) == 1:
+        return plan.unshard(x, dim)
+    return GatherSequence.apply(x, plan, group, grad_scale, dim)

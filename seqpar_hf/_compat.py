@@ -1,0 +1,77 @@
+"""The one place where seqpar_hf reaches private attributes of torch, transformers or accelerate.
+
+Each access has a reason and a test in `tests/test_compat.py` that needs no process group, so an
+upgrade that removes one fails there, by name, rather than in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+# --- torch -------------------------------------------------------------------------------------
+
+
+def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """`mesh[dims]` as one named dim (what torchtitan does for FSDP over dp x cp). Private in torch
+    2.11-2.14 (`DeviceMesh._flatten`), with no public equivalent that keeps the name on the root mesh."""
+    return mesh[dims]._flatten(name)
+
+
+# Private aten attention ops used by the ring blocks (forward returning the log-sum-exp, and the
+# backward taking it). Checked once; without them the blocks use the math path, with one warning.
+_RING_OPS = {
+    "cpu": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "cuda": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+}
+_checked: dict[str, tuple | None] = {}
+
+
+def ring_kernel_ops(device_type: str):
+    """(forward op, backward op) of the fused attention kernel for `device_type`, or None (math path)."""
+    if device_type not in _checked:
+        names = _RING_OPS.get(device_type)
+        ops = None
+        if names is not None:
+            try:
+                ops = tuple(getattr(torch.ops.aten, n) for n in names)
+            except (AttributeError, RuntimeError):
+                warnings.warn(f"seqpar_hf: torch {torch.__version__} has no {names[0]}; ring attention on "
+                              f"{device_type} uses the (slower, exact) math path", stacklevel=2)
+        _checked[device_type] = ops
+    return _checked[device_type]
+
+
+# --- accelerate ----------------------------------------------------------------------------------
+
+
+def is_prepared_data_loader(data_loader) -> bool:
+    """accelerate marks loaders it already prepared (`_is_accelerate_prepared`); preparing one again
+    would shard it twice."""
+    return bool(getattr(data_loader, "_is_accelerate_prepared", False))
+
+
+def register_data_loader(accelerator, data_loader) -> None:
+    """accelerate keeps the loaders it prepared in `Accelerator._dataloaders` (for checkpointing their
+    state and for `gradient_state`); a loader prepared here must be registered the same way."""
+    if data_loader not in accelerator._dataloaders:
+        accelerator._dataloaders.append(data_loader)
+
+
+# --- transformers ----------------------------------------------------------------------------------
+
+
+def trainer_train_batch_size(trainer) -> int:
+    """`Trainer._train_batch_size`: the per-device batch size after auto batch-size search."""
+    return trainer._train_batch_size
+
+
+def seq2seq_gen_kwargs(trainer) -> dict:
+    """`Seq2SeqTrainer._gen_kwargs`: the generation kwargs `evaluate`/`predict` were called with."""
+    return dict(getattr(trainer, "_gen_kwargs", None) or {})

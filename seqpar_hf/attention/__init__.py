@@ -1,0 +1,1 @@
+"""Attention under sequence parallelism: the local kernels, masks, Ulysses and ring."""

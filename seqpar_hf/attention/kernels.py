@@ -1,0 +1,169 @@
+"""The attention math on one rank, written once.
+
+- `attention`: SDPA over whole sequences for some heads (Ulysses after its all-to-all), with the
+  mask built once per forward (`masks.MaskSpec.full_mask`); on CUDA, packed or windowed attention
+  takes the varlen flash kernel instead, with no mask.
+- `block_forward` / `block_backward`: one block of queries against one block of keys, returning /
+  taking the log-sum-exp, for ring attention. They call private aten kernels (through `_compat`,
+  checked once) and fall back to the math here.
+- `merge`: the online-softmax merge of partial results over disjoint key sets, in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from .masks import MaskSpec, segments
+
+
+def _expand_kv(q, k, v, kv_for_q, mask_present: bool):
+    """(k, v, enable_gqa): SDPA's own GQA avoids copying K/V per query head; CUDA kernels take it only
+    without a mask (as transformers decides), else SDPA would fall back to the math kernel."""
+    if kv_for_q is None:
+        return k, v, False
+    rep = q.shape[1] // k.shape[1]
+    regular = kv_for_q == tuple(i // rep for i in range(q.shape[1]))
+    if regular and (q.device.type == "cpu" or not mask_present):
+        return k, v, True
+    index = torch.tensor(kv_for_q, device=q.device)
+    return k.index_select(1, index), v.index_select(1, index), False  # [b, h_kv, s, d] -> [b, h, s, d]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, scale: float, dropout: float,
+              kv_for_q: tuple[int, ...] | None, masks: dict) -> torch.Tensor:
+    """q [b, h, S_q, d], k/v [b, h_kv, S_k, d] over whole padded sequences -> [b, h, S_q, d].
+
+    `kv_for_q` gives each query head's kv head (grouped-query attention); None: one to one.
+    `masks` is the forward's cache, so the mask is built once per forward, not per layer.
+    Fully masked rows (padding queries) give zeros, as SDPA does.
+    """
+    if q.device.type == "cuda" and not spec.trivial and dropout == 0.0:
+        out = _varlen(q, k, v, spec, scale, kv_for_q, masks)
+        if out is not None:
+            return out
+    key = ("full", id(spec))
+    if key not in masks:
+        masks[key] = spec.full_mask(q.device)
+    mask, is_causal = masks[key]
+    k, v, gqa = _expand_kv(q, k, v, kv_for_q, mask is not None)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and q.shape[2] > 1,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def unmasked(q, k, v, causal: bool, scale: float, kv_for_q=None) -> torch.Tensor:
+    """SDPA with no mask (plain causal or bidirectional): q [b, h, s, d], k/v [b, h_kv, s, d]."""
+    k, v, gqa = _expand_kv(q, k, v, kv_for_q, False)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=scale, enable_gqa=gqa)
+
+
+def _varlen(q, k, v, spec: MaskSpec, scale, kv_for_q, masks):
+    """Packed / windowed self-attention on CUDA through the varlen flash kernel: documents (and runs
+    of padding) become segments of one flattened batch, so no [s, s] mask exists. None if the pattern
+    is not expressible that way (cross-attention, padding inside a document)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if spec.q is not spec.k or spec.q.doc is None and spec.window is None:
+        return None
+    key = ("segments", id(spec.q))
+    if key not in masks:
+        masks[key] = segments(spec.q)
+    seg = masks[key]
+    if seg is None:
+        return None
+    cu, longest = seg
+    b, h, s, d = q.shape
+    if kv_for_q is not None:
+        index = torch.tensor(kv_for_q, device=q.device)
+        k, v = k.index_select(1, index), v.index_select(1, index)
+    flat = [x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (q, k, v)]  # [b, h, s, d] -> [b*s, h, d]
+    left = -1 if spec.window is None else spec.window - 1
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(left, 0 if spec.causal else -1))
+    return out.view(b, s, h, d).transpose(1, 2)  # [b*s, h, d] -> [b, h, s, d]
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks with log-sum-exp, for ring attention: the forward returns (out, lse) so partial results
+# over different key blocks can be merged; the backward recomputes from the final out and lse.
+# Shapes: q [b, h, s_q, d], k/v [b, h, s_k, d], bias [b, 1, s_q, s_k] additive (0 / -inf) or None,
+# lse [b, h, s_q] fp32.
+
+
+def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
+    """CUDA's memory-efficient kernel wants the bias rows 16-element aligned: pad, then view."""
+    s_k = bias.shape[-1]
+    padded = (s_k + 15) // 16 * 16
+    if padded == s_k:
+        return bias.contiguous()
+    out = bias.new_zeros((*bias.shape[:-1], padded))
+    out[..., :s_k] = bias
+    return out[..., :s_k]
+
+
+def block_forward(q, k, v, bias, causal: bool, scale: float):
+    ops = _compat.ring_kernel_ops(q.device.type)
+    if ops is None:
+        return math_forward(q, k, v, bias, causal, scale)
+    if q.device.type == "cpu":
+        out, lse = ops[0](q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return out, lse
+    b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
+    out, lse, _, _ = ops[0](q, k, v, b, True, 0.0, causal, scale=scale)
+    return out, lse[..., :q.shape[2]].float()
+
+
+def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
+    ops = _compat.ring_kernel_ops(q.device.type)
+    if ops is None:
+        return math_backward(dout, q, k, v, out, lse, bias, causal, scale)
+    if q.device.type == "cpu":
+        return ops[1](dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = ops[1](dout, q, k, v, b if b is not None else torch.empty(0, device=q.device, dtype=q.dtype), out,
+                           lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+def _scores(q, k, bias, causal, scale):
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [b, h, s_q, s_k]
+    if bias is not None:
+        s = s + bias.float()
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def math_forward(q, k, v, bias, causal, scale):
+    s = _scores(q, k, bias, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
+    return torch.matmul(p, v.float()).to(q.dtype), lse.nan_to_num(neginf=0.0)
+
+
+def math_backward(dout, q, k, v, out, lse, bias, causal, scale):
+    s = _scores(q, k, bias, causal, scale)
+    p = torch.exp(s - lse[..., None])  # [b, h, s_q, s_k]
+    do = dout.float()
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, v.float().transpose(-1, -2))
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.float()) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Online-softmax merge of two partial results over disjoint key sets, in fp32.
+
+    out/block_out [b, h, s, d], lse/block_lse [b, h, s] (-inf: the row saw no key). Rows that saw no
+    key in either part stay 0 with lse -inf, without producing NaN.
+    """
+    m = torch.maximum(lse, block_lse)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w_old, w_new = torch.exp(lse - m), torch.exp(block_lse - m)  # [b, h, s]
+    total = w_old + w_new
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    merged = (out * w_old[..., None] + block_out.float() * w_new[..., None]) / safe[..., None]
+    return merged, m + torch.log(total)

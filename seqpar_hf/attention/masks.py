@@ -1,0 +1,112 @@
+"""What may attend to what, in full (padded) sequence coordinates, independent of who holds which token.
+
+A query at sequence index i may see a key at index j when all of these hold:
+- the key is a real token (`valid`: padding, including the padding added to reach a multiple of sp,
+  is never a key);
+- both are in the same document of their row (`doc`: packed rows; cross-attention pairs the k-th
+  target document with the k-th source document);
+- causal attention: j <= i; sliding window of w: i - j < w (causal only).
+
+Masks are built from these per forward, never per layer: `full_mask` for the whole sequence (Ulysses
+holds it after its all-to-all), `block_mask` for a block of rows and columns (a ring step).
+On CPU they are dense boolean tensors ([b, 1, s_q, s_k], at most 1 byte per query-key pair and row:
+256 MiB for one 16K-token row); on CUDA packed and windowed attention over whole sequences takes
+the varlen kernel instead (`segments`), with no mask at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.sharding import ShardPlan
+
+
+@dataclass
+class SeqMeta:
+    """One sequence of the batch (the encoder's or the decoder's), in full padded coordinates."""
+
+    plan: ShardPlan
+    valid: torch.Tensor | None  # [b, S_pad] bool, True = real token; None: every position is real
+    doc: torch.Tensor | None  # [b, S_pad] int64 document index within its row; None: one per row
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The attention pattern of one kind of attention layer in one forward."""
+
+    q: SeqMeta
+    k: SeqMeta
+    causal: bool
+    window: int | None = None  # sliding window (causal only): i - j < window
+
+    @property
+    def trivial(self) -> bool:
+        """Nothing beyond (maybe) plain causal: kernels take `is_causal` and no mask."""
+        return self.k.valid is None and self.q.doc is None and self.window is None
+
+    def block_mask(self, q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool | None = None):
+        """[b or 1, 1, len(q_idx), len(k_idx)] bool for the queries / keys at these sequence indices,
+        or None if every pair may attend. `causal=False` leaves causality to the caller's kernel."""
+        causal = self.causal if causal is None else causal
+        mask = None
+
+        def both(m, extra):
+            return extra if m is None else m & extra
+
+        if self.k.valid is not None:
+            mask = self.k.valid.index_select(1, k_idx)[:, None, None, :]  # [b, 1, 1, s_k]
+        if self.q.doc is not None:
+            same = self.q.doc.index_select(1, q_idx)[:, None, :, None] == self.k.doc.index_select(1, k_idx)[:, None, None, :]
+            mask = both(mask, same)  # [b, 1, s_q, s_k]
+        if causal:
+            mask = both(mask, q_idx[:, None] >= k_idx[None, :])
+        if self.window is not None:
+            mask = both(mask, q_idx[:, None] - k_idx[None, :] < self.window)
+        return mask
+
+    def full_mask(self, device) -> tuple[torch.Tensor | None, bool]:
+        """(mask, is_causal) over the whole padded sequences, for SDPA."""
+        if self.trivial:
+            return None, self.causal
+        s_q, s_k = self.q.plan.padded, self.k.plan.padded
+        only_padding = self.q.doc is None and self.window is None
+        if only_padding and not self.causal:
+            return self.k.valid[:, None, None, :], False  # [b, 1, 1, s_k]: broadcast over queries
+        q_idx = torch.arange(s_q, device=device)
+        k_idx = torch.arange(s_k, device=device)
+        return self.block_mask(q_idx, k_idx), False
+
+
+def check_window(window, causal: bool) -> int | None:
+    if window is None:
+        return None
+    if not causal:
+        raise NotImplementedError(f"seqpar_hf supports sliding windows on causal attention only (window {window} on "
+                                  "a bidirectional layer)")
+    if int(window) <= 0:
+        raise ValueError(f"sliding window must be positive, got {window}")
+    return int(window)
+
+
+def segments(meta: SeqMeta) -> tuple[torch.Tensor, int] | None:
+    """Varlen view of whole sequences for self-attention: (cu_seqlens [n+1] int32 over the flattened
+    [b * S_pad] tokens, longest segment). Segments are the documents of each row, and each run of
+    padding is a segment of its own (its queries see only padding keys; nobody reads their outputs).
+    None when there is nothing to split, or padding sits inside a document (not expressible)."""
+    ref = meta.valid if meta.valid is not None else meta.doc
+    if ref is None:
+        return None
+    b, s = ref.shape
+    doc = meta.doc if meta.doc is not None else torch.zeros(b, s, dtype=torch.long, device=ref.device)
+    valid = meta.valid if meta.valid is not None else torch.ones(b, s, dtype=torch.bool, device=ref.device)
+    key = torch.where(valid, doc, -1 - doc)  # a padding run differs from the document around it
+    new = torch.ones_like(valid)
+    new[:, 1:] = key[:, 1:] != key[:, :-1]  # a segment starts where the key changes, and at every row start
+    starts_per_doc = torch.zeros_like(doc).scatter_add_(1, torch.where(valid, doc, 0), (new & valid).long())
+    if bool((starts_per_doc > 1).any()):  # one document in two pieces: padding inside it
+        return None
+    starts = new.flatten().nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())

@@ -1,0 +1,190 @@
+"""Ring attention (Liu et al. 2023, arXiv 2310.01889; ring self-attention of Li et al. 2021,
+arXiv 2105.13120), load-balanced for causal attention by zigzag sharding.
+
+Each rank keeps its queries and passes its K/V block around the ring with batch_isend_irecv; the
+transfer of the next block overlaps the attention on the current one. Partial results merge with a
+log-sum-exp update in fp32. The backward is a second ring: K/V travel again, together with fp32
+dK/dV accumulators that arrive home after the last step; block gradients are recomputed from the
+final output and log-sum-exp. K/V travel with their own (grouped-query) head count.
+
+What each step computes (which rows and columns, with which mask, or nothing at all) is a
+`RingPlan`, built once per forward and attention pattern and reused by every layer and by the
+backward (also when gradient checkpointing recomputes a layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .kernels import block_backward, block_forward, merge
+from .masks import MaskSpec
+
+
+@dataclass
+class Block:
+    """The work between the local queries and one ring rank's keys."""
+
+    rows: slice
+    cols: slice
+    causal: bool  # the kernel's own causal flag (the diagonal block of a zigzag causal ring)
+    allowed: torch.Tensor | None  # [b, 1, rows, cols] bool, None: every pair
+    valid_rows: torch.Tensor | None = None  # [b, 1, rows]: False where a query sees no key in this block
+    _bias: dict | None = None
+
+    def bias(self, dtype) -> torch.Tensor | None:
+        """Additive 0 / -inf bias for the kernels, per dtype, made once."""
+        if self.allowed is None:
+            return None
+        self._bias = self._bias or {}
+        if dtype not in self._bias:
+            self._bias[dtype] = torch.zeros(self.allowed.shape, dtype=dtype,
+                                            device=self.allowed.device).masked_fill(~self.allowed, float("-inf"))
+        return self._bias[dtype]
+
+
+@dataclass
+class RingPlan:
+    """Everything a ring attention call needs besides q, k, v; identical on every ring rank up to
+    `index`. `blocks[j]` is the work against ring rank j's keys (None: nothing to attend)."""
+
+    group: object
+    ranks: tuple[int, ...]  # global ranks in ring order
+    index: int  # this rank's position in the ring
+    blocks: list[Block | None]
+
+    @classmethod
+    def build(cls, spec: MaskSpec, group, ranks, index: int, q_index: torch.Tensor,
+              k_index: list[torch.Tensor]) -> "RingPlan":
+        """`q_index` [s_q]: global positions of the local queries; `k_index[j]` [s_k]: ring rank j's keys.
+        Zigzag causal: own block causal; an earlier rank's block is seen whole by every query through
+        its first chunk; a later rank's block is seen whole by the second query chunk only. Host syncs:
+        two per masked block, once per forward."""
+        zigzag = spec.causal and spec.q.plan.zigzag
+        s_q, blocks = q_index.numel(), []
+        for source in range(len(ranks)):
+            s_k = k_index[source].numel()
+            rows, cols, causal = slice(0, s_q), slice(0, s_k), False
+            if zigzag:
+                if source == index:
+                    causal = True
+                elif source < index:
+                    cols = slice(0, s_k // 2)
+                else:
+                    rows = slice(s_q // 2, s_q)
+            q_idx, k_idx = q_index[rows], k_index[source][cols]
+            allowed = spec.block_mask(q_idx, k_idx, causal=spec.causal and not zigzag)
+            if allowed is not None and causal:  # one mask carries everything
+                n = q_idx.numel()
+                allowed = allowed & torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
+                causal = False
+            if allowed is not None:
+                if not bool(allowed.any()):
+                    blocks.append(None)  # e.g. other documents, or outside the sliding window
+                    continue
+                if bool(allowed.all()):
+                    allowed = None
+            valid_rows = None
+            if allowed is not None:
+                allowed = allowed.expand(allowed.shape[0], 1, q_idx.numel(), k_idx.numel())
+                valid_rows = allowed.any(-1)  # [b, 1, rows]
+            blocks.append(Block(rows, cols, causal, allowed, valid_rows))
+        return cls(group, tuple(ranks), index, blocks)
+
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours."""
+
+    def __init__(self, plan: RingPlan):
+        n = len(plan.ranks)
+        self.group, self.next, self.prev = plan.group, plan.ranks[(plan.index + 1) % n], plan.ranks[(plan.index - 1) % n]
+
+    def start(self, send: torch.Tensor):
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(pending):
+        recv, works = pending
+        for w in works:
+            w.wait()
+        return recv
+
+
+def _expand(x: torch.Tensor, kv_index) -> torch.Tensor:
+    return x if kv_index is None else x.index_select(1, kv_index)  # [b, h_kv, s, d] -> [b, h, s, d]
+
+
+def _reduce(dx: torch.Tensor, kv_index, heads_kv: int) -> torch.Tensor:
+    if kv_index is None:
+        return dx
+    out = dx.new_zeros((dx.shape[0], heads_kv, *dx.shape[2:]))
+    return out.index_add_(1, kv_index, dx)  # [b, h, s, d] -> [b, h_kv, s, d]
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, scale: float, kv_index):
+        n, ring = len(plan.ranks), _Ring(plan)
+        b, h, s_q, d = q.shape
+        out = torch.zeros(b, h, s_q, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # [2, b, h_kv, s_k, d]: one message per step
+        for step in range(n):
+            pending = ring.start(kv) if step + 1 < n else None
+            block = plan.blocks[(plan.index - step) % n]
+            if block is not None:
+                rows, cols = block.rows, block.cols
+                kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
+                o, l = block_forward(q[:, :, rows].contiguous(), kb.contiguous(), vb.contiguous(), block.bias(q.dtype),
+                                     block.causal, scale)
+                if block.valid_rows is not None:  # kernels report lse 0 for rows that saw no key: make it -inf
+                    l = l.masked_fill(~block.valid_rows, float("-inf"))
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+            if pending is not None:
+                kv = _Ring.wait(pending)
+        out = out.to(q.dtype)
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that saw no key at all: grads are 0 anyway
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.kv_index = plan, scale, kv_index
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale, kv_index = ctx.plan, ctx.scale, ctx.kv_index
+        n, ring = len(plan.ranks), _Ring(plan)
+        heads_kv = k.shape[1]
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # travels as in the forward
+        carried = None  # pending fp32 dK/dV accumulator of the block held at this step
+        for step in range(n):
+            pending_kv = ring.start(kv) if step + 1 < n else None
+            block = plan.blocks[(plan.index - step) % n]
+            acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device) if carried is None \
+                else _Ring.wait(carried)
+            if block is not None:
+                rows, cols = block.rows, block.cols
+                kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
+                dq_b, dk_b, dv_b = block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb.contiguous(),
+                                                  vb.contiguous(), out[:, :, rows].contiguous(),
+                                                  lse[:, :, rows].contiguous(), block.bias(q.dtype), block.causal, scale)
+                dq[:, :, rows] += dq_b.float()
+                acc[0][:, :, cols] += _reduce(dk_b.float(), kv_index, heads_kv)
+                acc[1][:, :, cols] += _reduce(dv_b.float(), kv_index, heads_kv)
+            carried = ring.start(acc)  # to the next rank, who holds this block at the next step
+            if pending_kv is not None:
+                kv = _Ring.wait(pending_kv)
+        dkv = _Ring.wait(carried)  # our own block's gradient, home after a full turn
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
+                   kv_for_q: tuple[int, ...] | None = None) -> torch.Tensor:
+    """q [b, h, s_q, d], k/v [b, h_kv, s_k, d] (this rank's blocks) -> [b, h, s_q, d]."""
+    kv_index = None if kv_for_q is None else torch.tensor(kv_for_q, device=q.device)
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kv_index)

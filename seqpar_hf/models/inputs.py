@@ -1,0 +1,182 @@
+"""The backbone's full inputs -> this rank's shard, and the forward's context.
+
+Every rank of an SP group gets the same full batch and keeps its tokens (`ShardPlan`). Lengths are
+padded to a multiple of the group; the padding is never a key and carries no label. Positions stay
+those of the full sequence (global, or restarting per document in packed rows).
+
+Packed rows (several documents per row, no attention across them):
+- decoder-only, transformers' conventions: `position_ids` restarting at 0 for each document and no
+  `attention_mask` (what `DataCollatorWithFlattening` gives; its `cu_seq_lens_*` / `max_length_*`
+  are checked against the positions and consumed here). As in transformers, a row is packed when its
+  positions do not simply count up; with an `attention_mask`, positions are only positions.
+- encoder-decoder (seqpar_hf's convention): `position_ids` (source) and `decoder_position_ids`
+  (target) restarting at 0 for each (source, target) pair; the k-th target document attends, in
+  cross-attention, to the k-th source document only. Padding at the end of a row is masked as usual.
+  `seqpar_hf.training.packing.Seq2SeqPackingCollator` builds such rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.masks import SeqMeta
+from ..parallel.layout import ParallelLayout
+from ..parallel.sharding import ShardPlan
+from .context import ForwardContext
+
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _size(ids, embeds, what: str) -> tuple[int, int, torch.device]:
+    x = ids if ids is not None else embeds
+    if x is None:
+        raise ValueError(f"the patched forward needs {what}")
+    return x.shape[0], x.shape[1], x.device
+
+
+def _mask(mask, what: str) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"seqpar_hf takes 2D padding masks [batch, seq] ({what}); got a {mask.dim()}D mask of shape "
+                         f"{tuple(mask.shape)}. Packed rows: pass restarting position_ids instead of a 4D mask")
+    return mask.bool()
+
+
+def _plan(layout: ParallelLayout, length: int, causal: bool) -> ShardPlan:
+    # causal sequences are balanced across a ring by zigzag order (ShardPlan ignores it without a ring)
+    return ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag=causal)
+
+
+def documents_from_positions(position_ids: torch.Tensor, what: str = "position_ids") -> torch.Tensor:
+    """[b, s] document index of each token: a new document starts wherever positions do not count up
+    by one (transformers' rule). Every document must start at position 0; the error names the row."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    starts = step != 1
+    bad = starts & (position_ids != 0)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"packed row {row}: a document starts at token {col} with {what} {int(position_ids[row, col])};"
+                         f" packed rows must restart {what} at 0 for every document (got "
+                         f"{position_ids[row, max(0, col - 3):col + 3].tolist()} around it)")
+    return starts.long().cumsum(-1) - 1
+
+
+def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
+    """Documents from flash-attention's cu_seq_lens (one packed row), checked against the positions."""
+    cu = cu.to(torch.long).flatten()
+    if b != 1 or cu[0] != 0 or cu[-1] != s or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seq_lens_q {cu.tolist()} does not describe one packed row of {s} tokens "
+                         f"(batch {b}): it must start at 0, increase, and end at {s}")
+    from_cu = torch.zeros(1, s, dtype=torch.long, device=cu.device)
+    from_cu[0, cu[1:-1]] = 1
+    from_cu = from_cu.cumsum(-1)
+    if doc is not None and not torch.equal(from_cu.to(doc.device), doc):
+        raise ValueError("cu_seq_lens_q and position_ids describe different documents in packed row 0; pass either "
+                         "or make them agree")
+    return from_cu
+
+
+def _meta(plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None, b: int, device) -> SeqMeta:
+    """Pad the per-token tensors to the plan's length: padding is invalid and belongs to no document."""
+    if valid is not None and bool(valid.all()):
+        valid = None  # one host sync per sequence and forward, so attention can skip the mask
+    if plan.padded > plan.length:
+        base = valid if valid is not None else torch.ones(b, plan.length, dtype=torch.bool, device=device)
+        valid = plan.pad(base, False)
+    if doc is not None:
+        doc = plan.pad(doc, -1)
+    return SeqMeta(plan, valid, doc)
+
+
+def _positions(plan: ShardPlan, position_ids: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full [b or 1, S_pad], local [b or 1, s_loc]) position ids; padding gets position 0 (it is
+    masked anyway, and must not index past a position table)."""
+    if position_ids is None:
+        position_ids = torch.arange(plan.length, device=device).unsqueeze(0)
+    full = plan.pad(position_ids, 0)
+    return full, plan.shard(full)
+
+
+def _tokens(plan: ShardPlan, kw: dict, ids_key: str, embeds_key: str, pad_id: int) -> None:
+    if kw.get(ids_key) is not None:
+        kw[ids_key] = plan.pad_and_shard(kw[ids_key], pad_id)
+    elif kw.get(embeds_key) is not None:
+        kw[embeds_key] = plan.pad_and_shard(kw[embeds_key], 0.0)
+
+
+def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
+                 keep_ids: bool = False) -> ForwardContext:
+    """Shard a decoder-only backbone's inputs in place; return the forward's context."""
+    b, s, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
+    mask = _mask(kw.get("attention_mask"), "attention_mask")
+    position_ids = kw.get("position_ids")
+    cu = kw.pop("cu_seq_lens_q", None)
+    for name in FLASH_KWARGS[1:]:
+        kw.pop(name, None)
+    doc = None
+    if position_ids is not None and mask is None:
+        doc = documents_from_positions(position_ids.expand(b, -1))
+        if bool((doc[:, -1] == 0).all()):
+            doc = None  # one document per row: plain causal attention
+    if cu is not None:
+        doc = _check_cu_seq_lens(cu, doc, b, s)
+    plan = _plan(layout, s, causal=True)
+    full_pos, local_pos = _positions(plan, position_ids, device)
+    extra = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
+    _tokens(plan, kw, "input_ids", "inputs_embeds", pad_id)
+    meta = _meta(plan, mask, doc, b, device)
+    # a 2D mask keeps transformers from re-detecting packing on the local positions; our attention
+    # takes its masks from the context
+    kw["attention_mask"] = plan.shard(meta.valid) if meta.valid is not None else torch.ones(
+        b, plan.local_length, dtype=torch.bool, device=device)
+    kw["position_ids"] = local_pos
+    return ForwardContext(layout, {"decoder": meta}, {"decoder": local_pos}, {"decoder": full_pos}, local_outputs,
+                          {"ids": extra})
+
+
+def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
+    """Documents of packed seq2seq rows from restarting positions on both sides; pads belong to none."""
+    src_doc = documents_from_positions(src_pos, "position_ids")
+    tgt_doc = documents_from_positions(tgt_pos, "decoder_position_ids")
+    count = lambda doc, valid: (doc.masked_fill(~valid, -1).max(-1).values + 1) if valid is not None \
+        else doc[:, -1] + 1  # noqa: E731
+    n_src, n_tgt = count(src_doc, src_valid), count(tgt_doc, tgt_valid)
+    if not torch.equal(n_src, n_tgt):
+        row = int((n_src != n_tgt).nonzero()[0])
+        raise ValueError(f"packed row {row}: {int(n_src[row])} source documents but {int(n_tgt[row])} target "
+                         "documents; the k-th target document translates the k-th source document")
+    return src_doc, tgt_doc
+
+
+def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
+                  keep_ids: bool = False) -> ForwardContext:
+    """Shard an encoder-decoder backbone's inputs in place; return the forward's context."""
+    b, s_src, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
+    _, s_tgt, _ = _size(kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"),
+                        "labels, decoder_input_ids or decoder_inputs_embeds")
+    src_mask = _mask(kw.get("attention_mask"), "attention_mask")
+    tgt_mask = _mask(kw.get("decoder_attention_mask"), "decoder_attention_mask")
+    src_pos, tgt_pos = kw.pop("position_ids", None), kw.pop("decoder_position_ids", None)
+    src_doc = tgt_doc = None
+    if (src_pos is None) != (tgt_pos is None):
+        raise ValueError("packed encoder-decoder rows need both position_ids (source) and decoder_position_ids "
+                         "(target), restarting at 0 for every pair")
+    if src_pos is not None:
+        src_doc, tgt_doc = _pair_documents(src_pos.expand(b, -1), tgt_pos.expand(b, -1), src_mask, tgt_mask)
+    src, tgt = _plan(layout, s_src, causal=False), _plan(layout, s_tgt, causal=True)
+    src_full, src_local = _positions(src, src_pos, device)
+    tgt_full, tgt_local = _positions(tgt, tgt_pos, device)
+    extra = {}
+    if keep_ids:
+        extra = {side: plan.pad(kw[key], pad_id) for side, plan, key in (("encoder", src, "input_ids"),
+                                                                       ("decoder", tgt, "decoder_input_ids"))
+                 if kw.get(key) is not None}
+    _tokens(src, kw, "input_ids", "inputs_embeds", pad_id)
+    _tokens(tgt, kw, "decoder_input_ids", "decoder_inputs_embeds", pad_id)
+    src_meta, tgt_meta = _meta(src, src_mask, src_doc, b, device), _meta(tgt, tgt_mask, tgt_doc, b, device)
+    for key, plan, meta in (("attention_mask", src, src_meta), ("decoder_attention_mask", tgt, tgt_meta)):
+        kw[key] = plan.shard(meta.valid) if meta.valid is not None else None
+    return ForwardContext(layout, {"encoder": src_meta, "decoder": tgt_meta},
+                          {"encoder": src_local, "decoder": tgt_local}, {"encoder": src_full, "decoder": tgt_full},
+                          local_outputs, {"ids": extra})

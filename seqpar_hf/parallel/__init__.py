@@ -1,0 +1,1 @@
+"""Ranks, groups and collectives: the layout (a named DeviceMesh), collectives as autograd functions, shard plans."""

@@ -1,0 +1,194 @@
+"""Where every rank sits: one validated object built once and passed down.
+
+Vocabulary used across the package:
+- *rank*: a process of the default process group; *world*: all of them.
+- *TP group*: `tp_size` consecutive ranks that split attention heads and MLP columns (Megatron-style
+  tensor parallelism, with the norm regions sharded along the sequence).
+- *SP group*: `sp_size` ranks with the same TP index that share one batch and split its sequences.
+  Inside it, sp = ulysses_size x ring_size: *Ulysses groups* exchange heads by all-to-all, *ring
+  groups* pass K/V blocks by send/recv.
+- *replica*: the sp x tp ranks that hold one copy of the model and read one batch; *DP group*: the
+  ranks at the same place in different replicas (gradients average over them).
+
+The ranks form a `DeviceMesh` of shape (dp, ring, ulysses, tp), TP innermost (the fastest links),
+with the flattened dims "sp" = (ring, ulysses) and "dp_sp" = (dp, ring, ulysses): the ranks that
+hold identical weights, over which FSDP shards. World = dp x sp x tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .. import _compat
+
+MODES = ("ulysses", "ring", "hybrid")
+MESH_DIMS = ("dp", "ring", "ulysses", "tp")
+
+
+@dataclass(frozen=True)
+class LayoutSizes:
+    """The validated sizes of a layout; pure arithmetic, no process group needed."""
+
+    world_size: int
+    sp_size: int
+    mode: str
+    ring_size: int
+    ulysses_size: int
+    dp_size: int
+    tp_size: int = 1
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def validate_sizes(world_size: int, sp_size: int, mode: str = "ulysses", ring_size: int | None = None,
+                   tp_size: int = 1) -> LayoutSizes:
+    """Check the sizes before any collective; every error names the value and the fix."""
+    if mode not in MODES:
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; choose one of {', '.join(MODES)}")
+    _positive("sp_size", sp_size)
+    _positive("tp_size", tp_size)
+    replica = sp_size * tp_size
+    if world_size % replica:
+        what = f"sp_size={sp_size}" if tp_size == 1 else f"sp_size x tp_size = {sp_size} x {tp_size} = {replica}"
+        raise ValueError(
+            f"world size {world_size} is not divisible by {what}; launch a multiple of {replica} processes or "
+            f"pick sizes whose product divides {world_size}"
+        )
+    if mode == "ulysses":
+        if ring_size not in (None, 1):
+            raise ValueError(f"mode='ulysses' takes no ring_size (got {ring_size}); use mode='hybrid' for ulysses x ring")
+        ring_size = 1
+    elif mode == "ring":
+        if ring_size not in (None, sp_size):
+            raise ValueError(
+                f"mode='ring' uses ring_size=sp_size={sp_size} (got ring_size={ring_size}); "
+                "use mode='hybrid' to mix Ulysses and ring"
+            )
+        ring_size = sp_size
+    else:  # hybrid
+        if ring_size is None:
+            raise ValueError(f"mode='hybrid' needs ring_size, a divisor of sp_size={sp_size} (e.g. ring_size=2)")
+        if not isinstance(ring_size, int) or ring_size < 1 or sp_size % ring_size:
+            raise ValueError(
+                f"ring_size={ring_size} does not divide sp_size={sp_size}; "
+                f"pick one of {[d for d in range(1, sp_size + 1) if sp_size % d == 0]}"
+            )
+    return LayoutSizes(world_size, sp_size, mode, ring_size, sp_size // ring_size, world_size // replica, tp_size)
+
+
+@dataclass(eq=False)
+class ParallelLayout:
+    """DP x SP (x TP) layout over the default process group, on a named `DeviceMesh`.
+
+    >>> dist.init_process_group("gloo")                # or nccl
+    >>> layout = ParallelLayout(sp_size=2, mode="ulysses")
+    >>> layout.sp_rank, layout.dp_rank, layout.dp_size, layout.mesh["sp"]
+
+    `sp_size=1, tp_size=1` is valid without a process group: every model forward then runs as if
+    unpatched. `mode="hybrid"` runs Ulysses inside groups of `sp_size // ring_size` ranks and a ring
+    across them. Every rank must build the layout (creating groups is collective), in the same order.
+    A layout is shared, never copied: `copy.deepcopy` returns the same object (a deep-copied model
+    keeps its process groups).
+    """
+
+    sp_size: int = 1
+    mode: str = "ulysses"
+    ring_size: int | None = None
+    tp_size: int = 1
+    sizes: LayoutSizes = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.sp_size == 1 and self.tp_size == 1:  # a no-op layout needs no process group
+                self.sizes = validate_sizes(1, 1, self.mode, self.ring_size)
+                self.ring_size = self.sizes.ring_size
+                self.rank, self.mesh, self.device_type = 0, None, "cpu"
+                self.sp_group = self.dp_group = self.ulysses_group = self.ring_group = None
+                self.tp_group = self.dp_sp_group = None
+                self.sp_ranks = self.ulysses_ranks = self.ring_ranks = self.tp_ranks = (0,)
+                return
+            raise RuntimeError(
+                f"ParallelLayout(sp_size={self.sp_size}, tp_size={self.tp_size}) needs a process group: call "
+                "torch.distributed.init_process_group('gloo' or 'nccl') first (accelerate launch / torchrun do)"
+            )
+        s = self.sizes = validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size, self.tp_size)
+        self.ring_size = s.ring_size
+        self.rank = dist.get_rank()
+        self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        # init_device_mesh is collective; so is flattening (both create process groups on every rank).
+        self.mesh = _compat.init_mesh(self.device_type, (s.dp_size, s.ring_size, s.ulysses_size, s.tp_size),
+                                      MESH_DIMS)
+        _compat.flatten_mesh(self.mesh, ("ring", "ulysses"), "sp")
+        _compat.flatten_mesh(self.mesh, ("dp", "ring", "ulysses"), "dp_sp")
+        self.sp_group, self.sp_ranks = self._group("sp")
+        self.ulysses_group, self.ulysses_ranks = self._group("ulysses")
+        self.ring_group, self.ring_ranks = self._group("ring")
+        self.dp_group, _ = self._group("dp")
+        self.tp_group, self.tp_ranks = self._group("tp")
+        self.dp_sp_group, _ = self._group("dp_sp")
+
+    def _group(self, name: str):
+        sub = self.mesh[name]
+        ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())  # global ranks, in the dim's order
+        return (None if len(ranks) == 1 else sub.get_group()), ranks
+
+    def __deepcopy__(self, memo):
+        return self  # process groups cannot be copied, and a copied model belongs to the same layout
+
+    def __reduce__(self):
+        raise TypeError("a ParallelLayout holds process groups and cannot be pickled; build one per process")
+
+    # sizes and coordinates ------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.sizes.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes.dp_size
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.sizes.ulysses_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.sp_ranks.index(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_ranks.index(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.sizes.sp_size * self.sizes.tp_size)
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.ulysses_ranks.index(self.rank)
+
+    @property
+    def ring_rank(self) -> int:
+        return self.ring_ranks.index(self.rank)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks that read one batch together: sp x tp."""
+        return self.sizes.sp_size * self.sizes.tp_size
+
+    @property
+    def enabled(self) -> bool:
+        """False for sp_size=1: the patched model then runs the unsharded sequence on every rank."""
+        return self.sizes.sp_size > 1
+
+    def __repr__(self) -> str:
+        s = self.sizes
+        tp = f", tp_size={s.tp_size}" if s.tp_size > 1 else ""
+        return (f"ParallelLayout(mode={s.mode!r}, sp_size={s.sp_size}, ring_size={s.ring_size}, "
+                f"ulysses_size={s.ulysses_size}{tp}, dp_size={s.dp_size}, rank={self.rank}, "
+                f"sp_rank={self.sp_rank}, dp_rank={self.dp_rank})")

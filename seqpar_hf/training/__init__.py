@@ -1,0 +1,1 @@
+"""The training side: Trainer integration, packing collators, TRL trainers."""
