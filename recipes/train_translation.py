@@ -34,6 +34,7 @@ from pathlib import Path
 
 import evaluate
 import numpy as np
+import torch
 import transformers
 from transformers import (DataCollatorForSeq2Seq, HfArgumentParser, MarianConfig, MarianMTModel, TrainerCallback,
                           set_seed)
@@ -71,6 +72,8 @@ class DataArguments:
     max_eval_samples: int | None = field(default=400, metadata={
         "help": "Validation examples for the periodic evaluation (BLEU by greedy decoding)."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Test examples (default: all)."})
+    num_threads: int = field(default=0, metadata={
+        "help": "Torch threads per process on CPU; 0: the usable cores divided by the local processes."})
     max_pairs: int | None = field(default=None, metadata={
         "help": "Read only the first N pairs of the data file (its shortest sentences; for quick tests)."})
     test_num_beams: int = field(default=4, metadata={"help": "Beam size for the final test translation."})
@@ -80,30 +83,35 @@ class DataArguments:
     data_cache_dir: str = field(default=str(ROOT / "cache"), metadata={"help": "Where preprocessed data is cached."})
 
 
-# Defaults of the training arguments for this recipe (each one fits the 2-core CPU budget; override any).
-TRAINING_DEFAULTS = dict(
-    output_dir=str(ROOT / "runs" / "translation"),
-    overwrite_output_dir=True,
-    per_device_train_batch_size=96,  # sentences; ~1k target tokens per step
-    per_device_eval_batch_size=128,
-    learning_rate=1.5e-3,  # small model, inverse-sqrt decay after warmup
-    lr_scheduler_type="inverse_sqrt",
-    warmup_steps=300,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    label_smoothing_factor=0.1,
-    num_train_epochs=3,  # upper bound: --max_train_minutes usually ends training first
-    train_sampling_strategy="group_by_length",  # ~2x fewer padding tokens than random batches
-    logging_steps=50,
-    eval_strategy="steps",
-    eval_steps=700,
-    save_strategy="no",  # the final model is saved at the end
-    predict_with_generate=True,
-    generation_num_beams=1,  # greedy for the periodic evaluation; --test_num_beams for the test set
-    report_to="none",
-    dataloader_num_workers=0,
-    seed=0,
-)
+@dataclass
+class RecipeTrainingArguments(seqpar_hf.SequenceParallelArguments):
+    """The recipe's defaults for the training arguments (each one fits the 2-core CPU budget; override any)."""
+
+    output_dir: str = field(default=str(ROOT / "runs" / "translation"), metadata={"help": "Where the model is saved."})
+    overwrite_output_dir: bool = True
+    per_device_train_batch_size: int = 96  # sentences; ~1k target tokens per step
+    per_device_eval_batch_size: int = 128
+    learning_rate: float = 1.5e-3  # small model, inverse-sqrt decay after warmup
+    lr_scheduler_type: str = "inverse_sqrt"
+    warmup_steps: float = 300
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    label_smoothing_factor: float = 0.1
+    num_train_epochs: float = 3.0  # upper bound: --max_train_minutes usually ends training first
+    train_sampling_strategy: str = "group_by_length"  # ~2x fewer padding tokens than random batches
+    logging_steps: float = 50
+    eval_strategy: str = "steps"
+    eval_steps: float = 700
+    save_strategy: str = "no"  # the final model is saved at the end
+    predict_with_generate: bool = True
+    generation_num_beams: int = 1  # greedy for the periodic evaluation; --test_num_beams for the test set
+    report_to: str | list[str] = "none"
+    dataloader_num_workers: int = 0
+    seed: int = 0
+
+
+DEFAULT_BATCH = {name: RecipeTrainingArguments.__dataclass_fields__[name].default
+                 for name in ("per_device_train_batch_size", "per_device_eval_batch_size")}
 
 
 class TimeBudget(TrainerCallback):
@@ -123,10 +131,18 @@ class TimeBudget(TrainerCallback):
 
 
 def parse_args(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, seqpar_hf.SequenceParallelArguments))
-    known = {a.dest for a in parser._actions}
-    parser.set_defaults(**{k: v for k, v in TRAINING_DEFAULTS.items() if k in known})
+    parser = HfArgumentParser((ModelArguments, DataArguments, RecipeTrainingArguments))
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def use_the_cores(requested: int) -> str:
+    """On CPU, one process per core share: torch threads = usable cores // local processes (accelerate
+    launch with no config exports OMP_NUM_THREADS=1, which would leave all but one core idle)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = requested or max(1, cores // local)
+    torch.set_num_threads(threads)
+    return f"{threads} threads per process ({cores} cores, {local} local process{'es' if local > 1 else ''})"
 
 
 def build_model(model_args: ModelArguments, tokenizer, max_length: int) -> MarianMTModel:
@@ -139,8 +155,8 @@ def build_model(model_args: ModelArguments, tokenizer, max_length: int) -> Maria
         max_position_embeddings=max_length + 2, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
         forced_eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
-    config._attn_implementation = "sdpa"
     model = MarianMTModel(config)
+    model.set_attn_implementation("sdpa")
     model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]  # never generate <pad> after the start
     return model
 
@@ -168,12 +184,17 @@ def main(argv=None):
     transformers.utils.logging.set_verbosity_warning()
     set_seed(training_args.seed)
     started = time.time()
+    if not training_args.use_cpu and torch.cuda.is_available():
+        threads = "CUDA"
+    else:
+        threads = use_the_cores(data_args.num_threads)
+    logger.info("compute: %s", threads)
 
     pack = data_args.pack_sentences
     if pack > 1:  # keep ~the same number of sentences per step and per evaluation as unpacked
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-            if getattr(training_args, name) == TRAINING_DEFAULTS[name]:
-                setattr(training_args, name, max(1, TRAINING_DEFAULTS[name] // pack))
+        for name, default in DEFAULT_BATCH.items():
+            if getattr(training_args, name) == default:
+                setattr(training_args, name, max(1, default // pack))
         if data_args.max_eval_samples == DataArguments.max_eval_samples:
             data_args.max_eval_samples = max(8, DataArguments.max_eval_samples // pack)
     max_source = data_args.max_source_length or 80 * pack

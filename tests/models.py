@@ -4,9 +4,11 @@ odd lengths, padding, a source that is mostly padding, source length != target l
 from __future__ import annotations
 
 import torch
-from transformers import (BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM, MarianConfig,
-                          MarianMTModel, MBartConfig, MBartForConditionalGeneration, MistralConfig, MistralForCausalLM,
-                          PegasusConfig, PegasusForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM)
+import transformers
+from transformers import (BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM, M2M100Config,
+                          M2M100ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
+                          MBartForConditionalGeneration, MistralConfig, MistralForCausalLM, PegasusConfig,
+                          PegasusForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM)
 
 VOCAB = 97
 NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
@@ -26,34 +28,88 @@ def seq2seq_config(family: str, heads: int = 4, d_model: int = 24, layers: int =
         return MBartConfig(bos_token_id=1, forced_eos_token_id=None, **common)
     if family == "pegasus":
         return PegasusConfig(**common)
+    if family == "m2m100":
+        common.pop("forced_eos_token_id", None)
+        return M2M100Config(bos_token_id=1, **common)
     raise ValueError(family)
 
 
 def causal_config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2, **overrides):
     common = dict(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=48, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                  max_position_embeddings=256, pad_token_id=0, attention_dropout=0.0)
+                  max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common)
     if family == "mistral":
-        return MistralConfig(sliding_window=None, **common)
+        return MistralConfig(**{"sliding_window": None, **common})
     if family == "qwen2":
-        return Qwen2Config(use_sliding_window=False, **common)
-    raise ValueError(family)
+        return Qwen2Config(**{"use_sliding_window": False, **common})
+    extra = CAUSAL_EXTRA[family]
+    config_class = getattr(transformers, extra["config"])
+    kwargs = {k: v for k, v in {**common, **extra.get("kwargs", {}), **overrides}.items()
+              if k not in extra.get("drop", ())}
+    return config_class(**kwargs)
+
+
+# Decoder-only families beyond the first three: config class, model class, config tweaks. Tiny and fp32;
+# each one exercises a structural feature (noted).
+CAUSAL_EXTRA = {
+    "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM"),  # q/k norm
+    "qwen3_moe": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM",  # mixture of experts
+                      kwargs=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM",  # mixture of experts
+                    kwargs=dict(num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": dict(config="Phi3Config", model="Phi3ForCausalLM", drop=("head_dim",)),  # fused qkv projection
+    "gemma": dict(config="GemmaConfig", model="GemmaForCausalLM"),
+    "gemma2": dict(config="Gemma2Config", model="Gemma2ForCausalLM",  # alternating sliding window
+                   kwargs=dict(attn_logit_softcapping=None, final_logit_softcapping=30.0, sliding_window=4,
+                               query_pre_attn_scalar=8)),
+    "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM",  # 5 local : 1 global
+                   kwargs=dict(sliding_window=4, query_pre_attn_scalar=8,
+                               layer_types=["sliding_attention", "full_attention"])),
+    "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM"),  # norms after attention, q/k norm
+    "smollm3": dict(config="SmolLM3Config", model="SmolLM3ForCausalLM",  # layers without rotary (NoPE)
+                    kwargs=dict(no_rope_layer_interval=2)),
+    "gpt_neox": dict(config="GPTNeoXConfig", model="GPTNeoXForCausalLM",  # partial rotary, fused qkv
+                     drop=("num_key_value_heads", "head_dim"),
+                     kwargs=dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5}, hidden_dropout=0.0)),
+}
 
 
 MODEL_CLASSES = {"marian": MarianMTModel, "bart": BartForConditionalGeneration, "mbart": MBartForConditionalGeneration,
-                 "pegasus": PegasusForConditionalGeneration, "llama": LlamaForCausalLM, "mistral": MistralForCausalLM,
-                 "qwen2": Qwen2ForCausalLM}
-SEQ2SEQ = ("marian", "bart", "mbart", "pegasus")
+                 "pegasus": PegasusForConditionalGeneration, "m2m100": M2M100ForConditionalGeneration,
+                 "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
+                 **{name: getattr(transformers, extra["model"]) for name, extra in CAUSAL_EXTRA.items()}}
+SEQ2SEQ = ("marian", "bart", "mbart", "pegasus", "m2m100")
 
 
 def build_model(family: str, seed: int = 0, **config_kwargs):
     torch.manual_seed(seed)
     config = (seq2seq_config if family in SEQ2SEQ else causal_config)(family, **config_kwargs)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if family in EAGER_ONLY else "sdpa"
     return MODEL_CLASSES[family](config).float()
+
+
+EAGER_ONLY = ("gemma2",)  # transformers 5.24 has no SDPA path for Gemma 2
+
+
+def rope(rope_type: str, head_dim: int = 8, original: int = 8) -> dict:
+    """rope_parameters of each rope type, scaled for a model trained on `original` positions (the
+    test sequences are longer, so the scaled branches run)."""
+    half = head_dim // 2
+    params = {"rope_theta": 10000.0, "rope_type": rope_type}
+    if rope_type in ("linear", "dynamic"):
+        params.update(factor=2.0)
+    elif rope_type == "yarn":
+        params.update(factor=4.0, original_max_position_embeddings=original)
+    elif rope_type == "longrope":
+        params.update(short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[2.0 + 0.5 * i for i in range(half)],
+                      original_max_position_embeddings=original)
+    elif rope_type == "llama3":
+        params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=original)
+    return params
 
 
 def seq2seq_batch(seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9, pad: bool = True,
@@ -73,13 +129,18 @@ def seq2seq_batch(seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def causal_batch(seed: int, batch: int = 3, length: int = 11, pad: bool = True):
-    """Left padding on sample 1 (as for generation-style batches), right padding on sample 2."""
+def causal_batch(seed: int, batch: int = 3, length: int = 11, pad: bool = True, left_pad: bool = True):
+    """Left padding on sample 1 (as for generation-style batches), right padding on sample 2.
+
+    With left padding the last padding position predicts the first real token: its query sees no key,
+    and transformers' own kernels disagree there (SDPA: output 0, eager: the mean of every value).
+    seqpar_hf follows SDPA; eager-only models are compared with `left_pad=False`."""
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, VOCAB, (batch, length), generator=g)
     attention_mask = torch.ones(batch, length, dtype=torch.long)
     if pad:
-        attention_mask[1, :3] = 0
+        attention_mask[1, :3] = 0 if left_pad else 1
+        attention_mask[1, length - 2:] = 1 if left_pad else 0
         if batch > 2:
             attention_mask[2, length - 4:] = 0
     input_ids[attention_mask == 0] = 0

@@ -47,6 +47,11 @@ def run_case(case: dict) -> dict:
     batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
     mine = batches[layout.dp_rank]
     seqpar_hf.patch_model(model, layout)
+    if case.get("deepcopy"):  # a deep copy of the patched model is a patched model on the same layout
+        original, model = model, copy.deepcopy(model)
+        with torch.no_grad():
+            for p in original.parameters():
+                p.add_(1.0)  # the copy must not share weights with the original
     result = {"name": case["name"], "rank": layout.rank}
 
     if case.get("eval"):
@@ -65,13 +70,24 @@ def run_case(case: dict) -> dict:
         return result
 
     ddp = DDP(model)
-    out = ddp(**mine)
-    out.loss.backward()
-    ref_losses = []
-    for batch in batches:  # plain data parallelism over dp_size replicas, each with its full batch
-        loss = reference(**batch).loss
-        (loss / layout.dp_size).backward()
-        ref_losses.append(loss.detach())
+    if case.get("second_batch"):  # two forwards of different lengths before one backward
+        extra = [make_batch(family, seed=200 + d, **case["second_batch"]) for d in range(layout.dp_size)]
+        out = ddp(**mine)
+        out2 = ddp(**extra[layout.dp_rank])
+        (out.loss + out2.loss).backward()
+        ref_losses = []
+        for batch, batch2 in zip(batches, extra):
+            loss = reference(**batch).loss
+            ((loss + reference(**batch2).loss) / layout.dp_size).backward()
+            ref_losses.append(loss.detach())
+    else:
+        out = ddp(**mine)
+        out.loss.backward()
+        ref_losses = []
+        for batch in batches:  # plain data parallelism over dp_size replicas, each with its full batch
+            loss = reference(**batch).loss
+            (loss / layout.dp_size).backward()
+            ref_losses.append(loss.detach())
     result["loss"] = out.loss.item()
     result["loss_err"] = abs(out.loss.item() - ref_losses[layout.dp_rank].item()) / abs(ref_losses[layout.dp_rank].item())
     result["grad_err"], result["worst_param"] = _grad_errors(model, reference)

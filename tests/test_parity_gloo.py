@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from .models import rope
 from .parity import run_cases
 from .spawn import spawn
 
@@ -15,6 +16,43 @@ from .spawn import spawn
 TOL = 1e-5
 
 MODES = [("ulysses", None), ("ring", None)]
+
+# Every family beyond the first seven, each with a structural feature of its own (tests/models.py).
+NEW_FAMILIES = ["m2m100", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "smollm3",
+                "gpt_neox"]
+ROPE_TYPES = ["linear", "dynamic", "yarn", "longrope", "llama3"]
+
+
+def _family_case(family: str) -> dict:
+    # Gemma 2 runs eager attention only; left padding makes a padding query see no key, where eager and
+    # SDPA differ in transformers itself (see tests/models.causal_batch)
+    return dict(family=family, batch=dict(left_pad=False) if family == "gemma2" else {})
+
+
+def _rope_case(rope_type: str) -> dict:
+    # trained on 8 positions, run on 11 (dynamic: max_position_embeddings is its original length)
+    return dict(family="llama", model=dict(rope_parameters=rope(rope_type),
+                                           max_position_embeddings=8 if rope_type == "dynamic" else 32))
+
+
+def _coverage_cases(base: dict, tag: str) -> list[dict]:
+    """Families, rope types, sliding windows, two forwards before one backward, deep copies."""
+    cases = [dict(base, name=f"{tag}-{f}", **_family_case(f)) for f in NEW_FAMILIES]
+    cases += [dict(base, name=f"{tag}-llama-rope-{r}", **_rope_case(r)) for r in ROPE_TYPES]
+    cases += [
+        dict(base, name=f"{tag}-phi3-longrope", family="phi3",
+             model=dict(rope_parameters=rope("longrope"), max_position_embeddings=32, original_max_position_embeddings=8)),
+        dict(base, name=f"{tag}-mistral-window-4", family="mistral", model=dict(sliding_window=4)),
+        dict(base, name=f"{tag}-qwen2-window-4", family="qwen2",
+             model=dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        dict(base, name=f"{tag}-llama-checkpointing-two-forwards", family="llama", checkpointing=True,
+             second_batch=dict(length=7)),
+        dict(base, name=f"{tag}-marian-checkpointing-two-forwards", family="marian", checkpointing=True,
+             second_batch=dict(src_len=6, tgt_len=5)),
+        dict(base, name=f"{tag}-llama-deepcopy", family="llama", deepcopy=True),
+        dict(base, name=f"{tag}-marian-deepcopy", family="marian", deepcopy=True),
+    ]
+    return cases
 
 
 def _cases_world2():
@@ -42,6 +80,7 @@ def _cases_world2():
             dict(base, name=f"{tag}-marian-eval", family="marian", eval=True),
             dict(base, name=f"{tag}-llama-eval", family="llama", eval=True),
         ]
+        cases += _coverage_cases(base, tag)
     return cases
 
 
@@ -58,7 +97,14 @@ def _cases_world4():
         ]
         if mode == "hybrid":  # uneven heads on the Ulysses part (3 and 5 heads over 2 ranks)
             cases += [dict(sp4, name=f"{tag}-sp4-marian-3-heads", family="marian", model=dict(heads=3)),
-                      dict(sp4, name=f"{tag}-sp4-llama-5-heads-mqa", family="llama", model=dict(heads=5, kv_heads=1))]
+                      dict(sp4, name=f"{tag}-sp4-llama-5-heads-mqa", family="llama", model=dict(heads=5, kv_heads=1)),
+                      dict(sp4, name=f"{tag}-sp4-gemma3-window", **_family_case("gemma3")),
+                      dict(sp4, name=f"{tag}-sp4-mixtral", **_family_case("mixtral")),
+                      dict(sp4, name=f"{tag}-sp4-m2m100", **_family_case("m2m100")),
+                      dict(sp4, name=f"{tag}-sp4-llama-rope-dynamic", **_rope_case("dynamic")),
+                      dict(sp4, name=f"{tag}-sp4-llama-rope-longrope", **_rope_case("longrope")),
+                      dict(sp4, name=f"{tag}-sp4-llama-checkpointing-two-forwards", family="llama",
+                           checkpointing=True, second_batch=dict(length=7))]
         if mode != "hybrid":
             cases += [dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
                       dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama")]

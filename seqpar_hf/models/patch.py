@@ -59,9 +59,30 @@ _INCREMENTAL = ("cache", "past_key_values", "encoder_outputs")
 # functions registered with transformers
 
 
+def _pattern_key(fn):
+    """A hashable identity for a mask function: its code and the simple values it closes over
+    (transformers builds a new closure per mask, e.g. one per sliding window size)."""
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if callable(value):
+            value = _pattern_key(value)
+        elif not isinstance(value, (int, float, bool, str, type(None))):
+            return None
+        cells.append(value)
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code, tuple(cells))
+
+
+_CHECKED: set = set()  # mask functions (by _pattern_key) already found acceptable; a pure function of the key
+
+
 def _check_mask_pattern(mask_function) -> None:
     """Refuse mask patterns other than causal, bidirectional and causal sliding-window. The pattern is
-    read off the function on a small grid (tiny CPU tensors; no device sync)."""
+    read off the function on a small grid of CPU tensors, once per kind of mask function."""
+    key = _pattern_key(mask_function)
+    if key is not None and key in _CHECKED:
+        return
     n = 12
     q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
     try:
@@ -72,6 +93,8 @@ def _check_mask_pattern(mask_function) -> None:
         tril = kv <= q
         seen = int((got & tril)[-1].sum())  # keys the last query sees: the window, if any
         if bool(got.all()) or torch.equal(got, tril) or torch.equal(got, tril & (q - kv < seen)):
+            if key is not None:
+                _CHECKED.add(key)
             return
     name = getattr(mask_function, "__name__", type(mask_function).__name__)
     raise NotImplementedError(f"seqpar_hf shards causal, bidirectional and causal sliding-window attention; this model "

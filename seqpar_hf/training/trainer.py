@@ -1,15 +1,18 @@
-"""Trainer integration: `SequenceParallelArguments` and `SequenceParallelTrainer`.
+"""Trainer integration: `SequenceParallelArguments`, `SequenceParallelMixin`, `SequenceParallelTrainer`.
 
-The ranks of one SP group are one data-parallel replica: they read the same batches (the data is
-split over `dp_size` replicas, not over the world), count as one replica in steps per epoch and in
-the learning-rate schedule, and report each evaluation example once. The loss is token-weighted
-over the whole accumulated global batch, computed here rather than by the model class, so every mix
-of gradient accumulation, data parallelism and sequence parallelism logs the number one process with
+The ranks of one replica (an SP group, times TP when used) are one data-parallel replica: they
+read the same batches (the data is split over `dp_size` replicas, not over the world), count as one
+replica in steps per epoch and in the learning-rate schedule, and report each evaluation example
+once. `SequenceParallelMixin` does that for any transformers `Trainer` subclass (the TRL trainers in
+`seqpar_hf.training.trl` use it); `SequenceParallelTrainer` adds a loss that is token-weighted over
+the whole accumulated global batch, computed on each rank's shard of the logits, so every mix of
+gradient accumulation, data parallelism and sequence parallelism logs the number one process with
 the same global batch logs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +25,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from transformers.trainer_utils import has_length
 
+from .. import _compat
 from ..models.loss import IGNORE_INDEX
 from ..models.patch import gather_logits, is_patched, model_kind, patch_model
 from ..parallel.comm import group_size
@@ -33,89 +37,175 @@ def _has_accelerator() -> bool:
 
 
 @dataclass
-class SequenceParallelArguments(Seq2SeqTrainingArguments):
-    """`Seq2SeqTrainingArguments` plus the sequence-parallel layout (`--sp_size 2` on the command line)."""
+class SequenceParallelFields:
+    """The layout fields every sequence-parallel training-arguments class carries."""
 
     sp_size: int = field(default=1, metadata={"help": "Ranks that split each sequence (an SP group). The world "
-                                                      "size must be a multiple; data parallelism runs over "
-                                                      "world_size // sp_size groups. 1 disables SP."})
+                                                      "size must be a multiple of sp_size x tp_size; data parallelism "
+                                                      "runs over the rest. 1 disables SP."})
     sp_mode: str = field(default="ulysses", metadata={
         "help": "ulysses: all-to-all of heads (needs sp_size <= attention heads); ring: K/V blocks passed around "
                 "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them.",
         "choices": list(MODES)})
     sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
+    tp_size: int = field(default=1, metadata={"help": "Megatron-style tensor + sequence parallelism over this many "
+                                                      "consecutive ranks (heads and MLP columns split, norms sharded "
+                                                      "along the sequence). 1 disables it."})
+
+    def _post_init_layout(self):
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            # a multi-process launch on a machine without GPUs: run the processes on CPU (gloo) rather than
+            # as unrelated single processes (accelerate does that unless ACCELERATE_USE_CPU=1 is set)
+            self.use_cpu = True
+
+    def _validate_layout(self):
+        validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size, self.tp_size)
+
+
+@dataclass
+class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` plus the parallel layout (`--sp_size 2` on the command line)."""
+
     # transformers' default is 1800 s. A rank that dies mid-collective leaves the others waiting this long
     # (when no launcher kills them first): 10 minutes still covers a checkpoint save on rank 0.
     ddp_timeout: int = field(default=600, metadata={"help": "Timeout (s) of the process group's collectives."})
 
     def __post_init__(self):
-        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
-            # a multi-process launch on a machine without GPUs: run the processes on CPU (gloo) rather than
-            # as unrelated single processes (accelerate does that unless ACCELERATE_USE_CPU=1 is set)
-            self.use_cpu = True
+        self._post_init_layout()
         super().__post_init__()
-        validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size)  # fail before any collective
+        self._validate_layout()  # fail before any collective
 
 
-class SequenceParallelTrainer(Seq2SeqTrainer):
+def prepare_replica_data_loader(accelerator, layout: ParallelLayout, data_loader, device_placement=None,
+                                slice_fn_for_dispatch=None):
+    """accelerate's `prepare_data_loader`, with each replica (SP x TP group) as one process: its ranks
+    get the same batches, in the order one process with the same global batch would see them."""
+    if _compat.is_prepared_data_loader(data_loader):
+        _compat.register_data_loader(accelerator, data_loader)
+        return data_loader
+    prepared = prepare_data_loader(
+        data_loader, accelerator.device, num_processes=layout.dp_size, process_index=layout.dp_rank,
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+        rng_types=accelerator.rng_types.copy(), dispatch_batches=False, even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
+    _compat.register_data_loader(accelerator, prepared)
+    return prepared
+
+
+class SequenceParallelMixin:
+    """Makes a replica of SP (x TP) ranks one data-parallel replica in any transformers `Trainer`.
+
+    Put it before the Trainer class (`class MyTrainer(SequenceParallelMixin, Trainer)`) and call
+    `self._setup_layout(model, args, layout)` before `Trainer.__init__`.
+    """
+
+    layout: ParallelLayout
+
+    def _setup_layout(self, model, args, layout: ParallelLayout | None):
+        if args is None or not hasattr(args, "sp_size"):
+            raise TypeError(f"{type(self).__name__} needs sequence-parallel training arguments "
+                            "(SequenceParallelArguments, or the TRL configs in seqpar_hf.training.trl)")
+        args.device  # sets up the process group when launched distributed (accelerate / torchrun)
+        self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size)
+        if model is not None and not isinstance(model, str) and not is_patched(model):
+            patch_model(model, self.layout)
+        self._eval_steps: dict[str, int] = {}  # eval steps the last loop ran, per metric prefix
+        self._eval_step_count = 0
+
+    # ---- data: shard over data-parallel replicas, not over the world ----------------------------------
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        # this trainer's accelerator only
+        self.accelerator.prepare_data_loader = functools.partial(prepare_replica_data_loader, self.accelerator,
+                                                                 self.layout)
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Evaluation and prediction keep the dataset's order (transformers would group them by length
+        # under train_sampling_strategy="group_by_length"), so predictions line up with the dataset.
+        # A private Trainer hook, pinned in tests/test_compat.py.
+        if eval_dataset is None or not has_length(eval_dataset):
+            return None
+        return SequentialSampler(eval_dataset)
+
+    def get_total_train_batch_size(self, args) -> int:
+        # one replica counts once (transformers' own SP size is tied to accelerate's SP, whose dataloader
+        # adapter changes the epoch length, so it stays 1 here)
+        return super().get_total_train_batch_size(args) // self.layout.replica_size
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        self._eval_step_count += 1
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
+    def _gather_replicas(self, data):
+        """gather_for_metrics over data-parallel replicas: all-gather over the world, keep one rank per
+        replica, then drop the repeated examples of the last batch."""
+        gathered = self.accelerator.gather(data)
+        world, replica = self.layout.world_size, self.layout.replica_size
+
+        def one_per_replica(t):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            blocks = t.reshape(world, -1, *t.shape[1:])  # rank-major blocks
+            return blocks[::replica].reshape(-1, *t.shape[1:])
+
+        data = recursively_apply(one_per_replica, gathered) if replica > 1 else gathered
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self.gather_function = self._gather_replicas  # the Trainer resets it at the end of the loop
+        self._eval_step_count = 0
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        self._eval_steps[metric_key_prefix] = self._eval_step_count
+        return output
+
+    def _fix_speed_metrics(self, metrics: dict):
+        """The Trainer counts eval steps as samples / (batch * world); a replica takes one step per
+        global batch together, so the real count is what the loop ran."""
+        for prefix, steps in self._eval_steps.items():
+            runtime = metrics.get(f"{prefix}_runtime")
+            if runtime and f"{prefix}_steps_per_second" in metrics:
+                metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
+
+    def log(self, logs, *args, **kwargs):
+        self._fix_speed_metrics(logs)
+        return super().log(logs, *args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        output = super().predict(*args, **kwargs)
+        self._fix_speed_metrics(output.metrics)
+        return output
+
+
+class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
     """A `Seq2SeqTrainer` whose model is sequence-parallel over `args.sp_size` ranks.
 
     Builds the `ParallelLayout` from `args` (or takes `layout=`), patches the model if needed, and
-    adapts data loading, loss, evaluation gathering and throughput metrics to SP groups.
-    Generation (`predict_with_generate`) runs without SP: each rank of a group generates a slice of
-    the group's batch and the slices are gathered in order.
+    adapts data loading, loss, evaluation gathering and throughput metrics to SP groups. Works for
+    causal LMs as well as encoder-decoder models. Generation (`predict_with_generate`) runs without
+    SP: each rank of a group generates a slice of the group's batch and the slices are gathered in
+    order.
     """
 
     def __init__(self, model=None, args: SequenceParallelArguments | None = None, *pargs,
                  layout: ParallelLayout | None = None, **kwargs):
         if args is None or not isinstance(args, SequenceParallelArguments):
             raise TypeError("SequenceParallelTrainer needs args=SequenceParallelArguments(...)")
-        args.device  # sets up the process group when launched distributed (accelerate / torchrun)
-        self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size)
-        if model is not None and not is_patched(model):
-            patch_model(model, self.layout)
-        self._eval_steps: dict[str, int] = {}  # eval steps the last loop ran, per metric prefix
-        self._eval_step_count, self._eval_batch_losses = 0, []
+        self._setup_layout(model, args, layout)
+        self._eval_batch_losses = []
         super().__init__(model, args, *pargs, **kwargs)
-        # our compute_loss normalises over the accumulated global batch itself
+        # compute_loss normalises over the accumulated global batch itself (documented Trainer attributes)
         self.model_accepts_loss_kwargs = True
         self.loss_is_scaled_for_ga = True
-
-    # ---- data: shard over data-parallel replicas, not over the world ----------------------------------
-
-    def create_accelerator_and_postprocess(self):
-        super().create_accelerator_and_postprocess()
-        self.accelerator.prepare_data_loader = self._prepare_data_loader  # this trainer's accelerator only
-
-    def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """accelerate's prepare_data_loader, with the SP group as one process: ranks of a group get the
-        same batches, in the order one process with the same global batch would see them."""
-        acc = self.accelerator
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            if data_loader not in acc._dataloaders:
-                acc._dataloaders.append(data_loader)
-            return data_loader
-        prepared = prepare_data_loader(
-            data_loader, acc.device, num_processes=self.layout.dp_size, process_index=self.layout.dp_rank,
-            split_batches=acc.split_batches, put_on_device=acc.device_placement if device_placement is None
-            else device_placement, rng_types=acc.rng_types.copy(), dispatch_batches=False,
-            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
-            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
-            use_stateful_dataloader=acc.use_stateful_dataloader)
-        acc._dataloaders.append(prepared)
-        return prepared
-
-    def _get_eval_sampler(self, eval_dataset):
-        # Evaluation and prediction keep the dataset's order (transformers would group them by length
-        # under train_sampling_strategy="group_by_length"), so predictions line up with the dataset.
-        if eval_dataset is None or not has_length(eval_dataset):
-            return None
-        return SequentialSampler(eval_dataset)
-
-    def get_total_train_batch_size(self, args) -> int:
-        # one SP group is one replica (transformers' get_sp_size is tied to accelerate's own SP, whose
-        # dataloader adapter changes the epoch length, so it stays 1 here)
-        return self._train_batch_size * args.gradient_accumulation_steps * self.layout.dp_size
 
     # ---- loss ---------------------------------------------------------------------------------------
 
@@ -141,7 +231,7 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """sum of token losses of this global batch / its labelled tokens, times dp_size: the Trainer
-        and DDP average over the world, and SP ranks already hold their group's value."""
+        and DDP average over the world, and the ranks of a replica already hold their replica's value."""
         if "labels" not in inputs:
             raise ValueError("SequenceParallelTrainer needs `labels` in the batch to compute a loss")
         if num_items_in_batch is None:
@@ -164,7 +254,7 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         self._eval_step_count += 1
-        inputs = self._prepare_inputs(inputs)
+        inputs = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         labels = inputs.get("labels")
         loss = logits = None
         with torch.no_grad():
@@ -193,8 +283,8 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
     def _generate(self, inputs, gen_kwargs) -> torch.Tensor:
         """Generate without SP: this SP rank takes its slice of the group's batch; slices are
         gathered in order, so every rank of the group returns the whole batch's tokens."""
-        if len(gen_kwargs) == 0 and hasattr(self, "_gen_kwargs"):
-            gen_kwargs = self._gen_kwargs.copy()
+        if len(gen_kwargs) == 0:
+            gen_kwargs = _compat.seq2seq_gen_kwargs(self)
         gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
         generation_inputs = {k: v for k, v in inputs.items()
                              if k not in ("labels", "decoder_input_ids", "decoder_attention_mask")}
@@ -214,31 +304,11 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
         pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad) for p in pieces]
         return torch.cat(pieces).to(self.args.device)
 
-    def _gather_replicas(self, data):
-        """gather_for_metrics over data-parallel replicas: all-gather over the world, keep one SP
-        rank per group, then drop the repeated examples of the last batch."""
-        gathered = self.accelerator.gather(data)
-        world, sp = self.layout.world_size, self.layout.sp_size
-
-        def one_per_group(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            blocks = t.reshape(world, -1, *t.shape[1:])  # rank-major blocks
-            return blocks[::sp].reshape(-1, *t.shape[1:])
-
-        data = recursively_apply(one_per_group, gathered) if sp > 1 else gathered
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            data = recursively_apply(lambda t: t[:state.remainder], data)
-        return data
-
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
-        self.gather_function = self._gather_replicas  # the Trainer resets it at the end of the loop
-        self._eval_step_count, self._eval_batch_losses = 0, []
+        self._eval_batch_losses = []
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                          metric_key_prefix)
-        self._eval_steps[metric_key_prefix] = self._eval_step_count
         losses = np.array(self._eval_batch_losses)
         if f"{metric_key_prefix}_loss" in output.metrics and losses.size:
             # One process averages its batches' losses with equal weight; each of our steps is one
@@ -247,21 +317,4 @@ class SequenceParallelTrainer(Seq2SeqTrainer):
             if self.args.logging_nan_inf_filter and finite.any():
                 losses = losses[finite]
             output.metrics[f"{metric_key_prefix}_loss"] = float(losses.mean())
-        return output
-
-    def _fix_speed_metrics(self, metrics: dict):
-        """The Trainer counts eval steps as samples / (batch * world); an SP group takes one step per
-        global batch together, so the real count is what the loop ran."""
-        for prefix, steps in self._eval_steps.items():
-            runtime = metrics.get(f"{prefix}_runtime")
-            if runtime and f"{prefix}_steps_per_second" in metrics:
-                metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
-
-    def log(self, logs, *args, **kwargs):
-        self._fix_speed_metrics(logs)
-        return super().log(logs, *args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        output = super().predict(*args, **kwargs)
-        self._fix_speed_metrics(output.metrics)
         return output

@@ -1,0 +1,89 @@
+"""Tier 1: every private attribute seqpar_hf reaches (all in seqpar_hf/_compat.py, plus the Trainer hooks
+it overrides) still exists, so an upgrade of torch, transformers, accelerate or TRL fails here, by name.
+No process group needed. Also the ring block kernels against the math path, and their fallback."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+from seqpar_hf import _compat
+from seqpar_hf.attention import kernels
+
+from .models import relative_error
+
+
+def test_torch_device_mesh_flatten():
+    from torch.distributed.device_mesh import DeviceMesh
+    assert "mesh_dim_name" in inspect.signature(DeviceMesh._flatten).parameters
+
+
+def test_torch_private_attention_ops_exist():
+    for device in ("cpu", "cuda"):
+        for name in _compat._RING_OPS[device]:
+            assert hasattr(torch.ops.aten, name), name
+
+
+def test_accelerate_marks_and_registers_prepared_loaders():
+    from accelerate import Accelerator
+    from accelerate.data_loader import prepare_data_loader
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(4)), batch_size=2))
+    assert _compat.is_prepared_data_loader(loader)  # Accelerator.prepare marks what it prepared
+    assert loader in accelerator._dataloaders
+    other = prepare_data_loader(torch.utils.data.DataLoader(list(range(4)), batch_size=2), torch.device("cpu"),
+                                num_processes=1, process_index=0)
+    _compat.register_data_loader(accelerator, other)
+    assert other in accelerator._dataloaders
+
+
+def test_transformers_trainer_hooks_we_override_or_read():
+    from transformers import Seq2SeqTrainer, Trainer
+
+    assert list(inspect.signature(Trainer._get_eval_sampler).parameters) == ["self", "eval_dataset"]
+    assert "self._train_batch_size" in inspect.getsource(Trainer.get_total_train_batch_size)
+    assert "self._gen_kwargs = " in inspect.getsource(Seq2SeqTrainer.evaluate)
+    for name in ("loss_is_scaled_for_ga", "model_accepts_loss_kwargs"):  # documented attributes we set
+        assert name in inspect.getsource(Trainer)
+
+
+def test_trl_token_count_divisor():
+    trl = pytest.importorskip("trl")
+    assert "self._tp_size" in inspect.getsource(trl.SFTTrainer.__init__)
+    assert "self._tp_size" in inspect.getsource(trl.SFTTrainer.compute_loss)
+
+
+@pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True), (True, True)])
+def test_cpu_block_kernels_match_the_math(causal, masked):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
+    bias = None
+    if masked:
+        allowed = torch.rand(2, 1, 16, 16) > 0.3
+        allowed[..., 0] = True  # every row sees a key
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    out, lse = kernels.block_forward(q, k, v, bias, causal, 8 ** -0.5)
+    ref_out, ref_lse = kernels.math_forward(q, k, v, bias, causal, 8 ** -0.5)
+    assert relative_error(out, ref_out) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
+    dout = torch.randn_like(out)
+    grads = kernels.block_backward(dout, q, k, v, out, lse, bias, causal, 8 ** -0.5)
+    ref = kernels.math_backward(dout, q, k, v, ref_out, ref_lse, bias, causal, 8 ** -0.5)
+    for g, r in zip(grads, ref):
+        assert relative_error(g, r) < 1e-5
+
+
+def test_missing_kernel_falls_back_to_the_math_with_one_warning(monkeypatch):
+    monkeypatch.setitem(_compat._RING_OPS, "cpu", ("_no_such_op_forward", "_no_such_op_backward"))
+    monkeypatch.setattr(_compat, "_checked", {})
+    q = torch.randn(1, 2, 8, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = kernels.block_forward(q, q, q, None, True, 0.5)
+        kernels.block_forward(q, q, q, None, True, 0.5)
+    assert sum("math path" in str(w.message) for w in caught) == 1
+    ref_out, _ = kernels.math_forward(q, q, q, None, True, 0.5)
+    assert torch.equal(out, ref_out)
