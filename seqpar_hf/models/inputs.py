@@ -48,11 +48,16 @@ def _plan(layout: ParallelLayout, length: int, causal: bool) -> ShardPlan:
     return ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag=causal)
 
 
-def documents_from_positions(position_ids: torch.Tensor, what: str = "position_ids") -> torch.Tensor:
-    """[b, s] document index of each token: a new document starts wherever positions do not count up
-    by one (transformers' rule). Every document must start at position 0; the error names the row."""
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    starts = step != 1
+def documents_from_positions(position_ids: torch.Tensor, what: str = "position_ids",
+                             always: bool = False) -> torch.Tensor | None:
+    """[b, s] document index (from 0) of each token: a new document starts wherever positions do not
+    count up by one (transformers' rule). None when every row is one document (and not `always`).
+    In packed rows every document must start at position 0; the error names the row."""
+    step = torch.diff(position_ids, dim=-1)
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = step != 1
+    if not always and not bool(starts[:, 1:].any()):
+        return None
     bad = starts & (position_ids != 0)
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
@@ -70,7 +75,7 @@ def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: in
                          f"(batch {b}): it must start at 0, increase, and end at {s}")
     from_cu = torch.zeros(1, s, dtype=torch.long, device=cu.device)
     from_cu[0, cu[1:-1]] = 1
-    from_cu = from_cu.cumsum(-1)
+    from_cu = from_cu.cumsum(-1)  # [1, s] document index from 0
     if doc is not None and not torch.equal(from_cu.to(doc.device), doc):
         raise ValueError("cu_seq_lens_q and position_ids describe different documents in packed row 0; pass either "
                          "or make them agree")
@@ -115,10 +120,8 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     for name in FLASH_KWARGS[1:]:
         kw.pop(name, None)
     doc = None
-    if position_ids is not None and mask is None:
+    if position_ids is not None and mask is None:  # None: one document per row, plain causal attention
         doc = documents_from_positions(position_ids.expand(b, -1))
-        if bool((doc[:, -1] == 0).all()):
-            doc = None  # one document per row: plain causal attention
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s)
     plan = _plan(layout, s, causal=True)
@@ -137,8 +140,8 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
 
 def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
     """Documents of packed seq2seq rows from restarting positions on both sides; pads belong to none."""
-    src_doc = documents_from_positions(src_pos, "position_ids")
-    tgt_doc = documents_from_positions(tgt_pos, "decoder_position_ids")
+    src_doc = documents_from_positions(src_pos, "position_ids", always=True)
+    tgt_doc = documents_from_positions(tgt_pos, "decoder_position_ids", always=True)
     count = lambda doc, valid: (doc.masked_fill(~valid, -1).max(-1).values + 1) if valid is not None \
         else doc[:, -1] + 1  # noqa: E731
     n_src, n_tgt = count(src_doc, src_valid), count(tgt_doc, tgt_valid)

@@ -84,12 +84,18 @@ class M2M100PositionsHook:
         ids = ctx.extra["ids"].get(self.side)  # [b, S_pad] full token ids, or None (inputs_embeds)
         pad = module.padding_idx
         full = ctx.full_positions[self.side]
-        if meta.doc is not None or ids is None:  # restarting / plain positions: count from padding_idx + 1
+        if ids is None:  # from embeddings: sequential positions from padding_idx + 1
             real = meta.valid if meta.valid is not None else torch.ones_like(full, dtype=torch.bool)
             positions = torch.where(real, full + pad + 1, torch.full_like(full, pad))
-        else:  # as M2M100 does: cumulative count of non-padding tokens
+        else:  # as M2M100 does: count the non-padding tokens (per document in packed rows)
             real = ids.ne(self.pad_id)
-            positions = torch.cumsum(real, dim=1) * real + pad
+            count = torch.cumsum(real, dim=1)  # [b, S_pad]
+            if meta.doc is not None:  # subtract the count before each document's first token
+                doc = meta.doc.clamp(min=0)
+                before = torch.full((doc.shape[0], doc.shape[1] + 1), doc.shape[1], dtype=count.dtype,
+                                    device=count.device).scatter_reduce(1, doc, count - real.long(), "amin")
+                count = count - before.gather(1, doc)
+            positions = count * real + pad
         local = plan.shard(positions.expand(output.shape[0], -1), 1)  # [b, s_loc]
         top = int(local.max()) + 1
         if top > module.weights.size(0):

@@ -1,0 +1,84 @@
+"""Packed-row parity cases run inside spawned gloo processes (and at sp=1 in one process).
+
+Decoder-only rows follow transformers' flattening convention; the reference is the unpatched model on
+the same packed rows with `use_cache=False` (transformers only separates documents without a cache),
+which equals each document run alone. Encoder-decoder rows follow seqpar_hf's convention
+(`Seq2SeqPackingCollator`); the reference is each (source, target) pair run alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DataCollatorWithFlattening
+
+import seqpar_hf
+from seqpar_hf.training.packing import Seq2SeqPackingCollator
+
+from .models import SEQ2SEQ, VOCAB, build_model, relative_error
+from .parity import _grad_errors
+
+DOC_LENGTHS = (5, 9, 3, 7, 1, 6)  # 31 tokens: documents cross shard boundaries and ring hops
+PAIR_LENGTHS = ((4, 6), (7, 3), (2, 5), (6, 6), (1, 2), (5, 4))
+
+
+def _docs(seed: int, lengths=DOC_LENGTHS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def causal_packed_batch(seed: int, flash_kwargs: bool = True, rows: int = 1) -> dict:
+    """`rows` packed rows of the same documents (rows > 1: position_ids [rows, T], no flash kwargs)."""
+    docs = _docs(seed)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d, "labels": d}
+                                                                               for d in docs])
+    if rows > 1:
+        rolled = [_docs(seed + r, DOC_LENGTHS[r:] + DOC_LENGTHS[:r]) for r in range(rows)]
+        flat = [DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in ds]) for ds in rolled]
+        batch = {k: torch.cat([f[k] for f in flat]) for k in ("input_ids", "labels", "position_ids")}
+    return batch
+
+
+def seq2seq_pairs(seed: int) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(3, VOCAB, (a,), generator=g).tolist(), torch.randint(3, VOCAB, (b,), generator=g).tolist())
+            for a, b in PAIR_LENGTHS]
+
+
+def seq2seq_packed_batch(seed: int, max_tokens: int = 12) -> dict:
+    return Seq2SeqPackingCollator(max_tokens, pad_token_id=0, decoder_start_token_id=0)(
+        [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed)])
+
+
+def run_case(case: dict) -> dict:
+    """`case`: name, family, sp, mode, ring_size, model, flash_kwargs, rows."""
+    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
+                                      ring_size=case.get("ring_size"))
+    family = case["family"]
+    model = build_model(family, **case.get("model", {}))
+    reference = copy.deepcopy(model)
+    seqpar_hf.patch_model(model, layout)
+    if family in SEQ2SEQ:
+        batch = seq2seq_packed_batch(7)
+        loss = model(**batch).loss
+        pairs = seq2seq_pairs(7)
+        tokens = sum(len(t) for _, t in pairs)
+        ref_loss = sum(reference(input_ids=torch.tensor([s]), labels=torch.tensor([t])).loss * len(t)
+                       for s, t in pairs) / tokens
+    else:
+        batch = causal_packed_batch(7, case.get("flash_kwargs", True), case.get("rows", 1))
+        loss = model(**batch).loss
+        ref_loss = reference(**{k: v for k, v in batch.items()}, use_cache=False).loss
+    loss.backward()
+    ref_loss.backward()
+    for p in model.parameters():  # what DDP does: average over the world (here one SP group)
+        if p.grad is not None and layout.sp_group is not None:
+            torch.distributed.all_reduce(p.grad, group=layout.sp_group)
+            p.grad /= layout.sp_size
+    grad_err, worst = _grad_errors(model, reference)
+    return {"name": case["name"], "loss_err": relative_error(loss, ref_loss), "grad_err": grad_err, "worst": worst}
+
+
+def run_cases(cases: list[dict]) -> list[dict]:
+    return [run_case(c) for c in cases]

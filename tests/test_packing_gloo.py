@@ -1,0 +1,99 @@
+"""Packed rows (several documents per row, no attention across them) under every SP mode: loss and
+every gradient equal the unpatched model on the same packed rows (decoder-only) or each pair run alone
+(encoder-decoder); bad packed input fails with an error naming the row. fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqpar_hf
+from seqpar_hf.training.packing import Seq2SeqPackingCollator, pack_pairs
+
+from .models import build_model
+from .packing_runs import causal_packed_batch, run_case, run_cases
+from .spawn import spawn
+
+TOL = 1e-5  # fp32, relative (loss and every parameter gradient)
+
+
+def _cases(sp: int, modes) -> list[dict]:
+    cases = []
+    for mode, ring in modes:
+        base = dict(sp=sp, mode=mode, ring_size=ring)
+        tag = f"sp{sp}-{mode}"
+        cases += [dict(base, name=f"{tag}-llama", family="llama"),
+                  dict(base, name=f"{tag}-llama-no-flash-kwargs", family="llama", flash_kwargs=False),
+                  dict(base, name=f"{tag}-llama-two-rows", family="llama", rows=2),
+                  dict(base, name=f"{tag}-mistral-window-3", family="mistral", model=dict(sliding_window=3)),
+                  dict(base, name=f"{tag}-marian", family="marian"),
+                  dict(base, name=f"{tag}-bart", family="bart"),
+                  dict(base, name=f"{tag}-m2m100", family="m2m100")]
+    return cases
+
+
+CASES = {1: _cases(1, [("ulysses", None)]),
+         2: _cases(2, [("ulysses", None), ("ring", None)]),
+         4: _cases(4, [("ulysses", None), ("ring", None), ("hybrid", 2)])}
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            per_rank = [run_cases(CASES[1])] if world == 1 else spawn(run_cases, world, CASES[world])
+            cache[world] = {}
+            for rank_results in per_rank:
+                for r in rank_results:
+                    cache[world].setdefault(r["name"], []).append(r)
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("world,name", [pytest.param(w, c["name"], id=c["name"]) for w in CASES for c in CASES[w]])
+def test_packed_rows_are_exact(results, world, name):
+    for r in results(world)[name]:
+        assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
+
+
+# ---- bad packed input: a clear error naming the row (tier 1, no process group) -----------------------
+
+def _patched(family):
+    return seqpar_hf.patch_model(build_model(family), seqpar_hf.ParallelLayout(sp_size=1))
+
+
+def test_positions_that_do_not_restart_at_zero():
+    batch = causal_packed_batch(1, flash_kwargs=False, rows=2)
+    batch["position_ids"][1, 9:14] += 2  # row 1: a document starting at position 2
+    with pytest.raises(ValueError, match="packed row 1: a document starts at token 9 with position_ids 2"):
+        _patched("llama")(**batch)
+
+
+def test_cu_seq_lens_that_disagree_with_the_positions():
+    batch = causal_packed_batch(1)
+    batch["cu_seq_lens_q"] = torch.tensor([0, 4, 14, 17, 18, 24, 31], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and position_ids describe different documents in packed row 0"):
+        _patched("llama")(**batch)
+
+
+def test_seq2seq_rows_with_unpaired_documents():
+    batch = Seq2SeqPackingCollator(12, 0, 0)([{"input_ids": [5, 6, 7], "labels": [8, 9]},
+                                             {"input_ids": [5, 6], "labels": [7, 8, 9]}])
+    batch["decoder_position_ids"][0] = torch.arange(5)  # row 0's targets now read as one document
+    with pytest.raises(ValueError, match="packed row 0: 2 source documents but 1 target documents"):
+        _patched("marian")(**batch)
+
+
+def test_a_pair_longer_than_the_row():
+    assert pack_pairs([(3, 4), (5, 2), (2, 2)], 8) == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="pair 1 has 9 source and 2 target tokens, longer than a packed row of 8"):
+        pack_pairs([(3, 4), (9, 2)], 8)
+
+
+def test_four_dimensional_masks_point_to_packing():
+    batch = causal_packed_batch(1, flash_kwargs=False)
+    batch["attention_mask"] = torch.ones(1, 1, 31, 31, dtype=torch.bool)
+    with pytest.raises(ValueError, match="2D padding masks.*restarting position_ids"):
+        _patched("llama")(**batch)
