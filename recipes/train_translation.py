@@ -9,13 +9,19 @@ Launch (from the repository root):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/train_translation.py --sp_size 2
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py --sp_size 2
 
-    # long documents (32 sentence pairs each) so that splitting sequences matters
+    # packed rows: the sentence pairs of each batch packed into rows of up to 128 tokens per side, each
+    # pair attending only to itself (the same training as padded batches, without the padding)
+    accelerate launch recipes/train_translation.py --pack_tokens 128
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
-        --sp_size 2 --pack_sentences 32
+        --sp_size 2 --pack_tokens 128
 
-    # 8 GPUs: SP groups of 4 (Ulysses) x 2 data-parallel replicas, bf16, long documents
+    # document-level translation: 32 consecutive pairs joined into one long document (attention across them)
+    accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
+        --sp_size 2 --document_sentences 32
+
+    # 8 GPUs: SP groups of 4 (Ulysses) x 2 data-parallel replicas, bf16, rows of 4096 tokens
     accelerate launch --config_file recipes/accelerate_8gpu.yaml recipes/train_translation.py \
-        --sp_size 4 --sp_mode ulysses --pack_sentences 64 --bf16 --per_device_train_batch_size 16
+        --sp_size 4 --sp_mode ulysses --pack_tokens 4096 --per_device_train_batch_size 1024 --bf16
 
 `python recipes/train_translation.py --help` lists every flag: the recipe's own (model size, data)
 and all of `SequenceParallelArguments` (= `Seq2SeqTrainingArguments` + `--sp_size`, `--sp_mode`,
@@ -36,13 +42,14 @@ import evaluate
 import numpy as np
 import torch
 import transformers
-from transformers import (DataCollatorForSeq2Seq, HfArgumentParser, MarianConfig, MarianMTModel, TrainerCallback,
-                          set_seed)
+from transformers import (DataCollatorForSeq2Seq, HfArgumentParser, LogitsProcessor, LogitsProcessorList, MarianConfig,
+                          MarianMTModel, TrainerCallback, set_seed)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
 import translation_data  # noqa: E402
 
 import seqpar_hf  # noqa: E402
+from seqpar_hf.training.packing import Seq2SeqPackingCollator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("train_translation")
@@ -62,11 +69,20 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     vocab_size: int = field(default=8000, metadata={"help": "Shared English+French BPE vocabulary."})
-    pack_sentences: int = field(default=1, metadata={
-        "help": "Concatenate N consecutive pairs into one source/target document (long sequences for SP). "
-                "Default batch sizes and --max_eval_samples are divided by N (same sentences per step)."})
+    lowercase: bool = field(default=False, metadata={
+        "help": "Lowercase every sentence before NLTK tokenization, as the seed tutorial did (BLEU is then "
+                "scored against lowercased references, so it is not comparable with cased BLEU)."})
+    pack_tokens: int = field(default=0, metadata={
+        "help": "Train on packed rows: the sentence pairs of each batch are packed into rows of up to N tokens "
+                "per side, each pair attending only to itself, with restarting positions: the same training as "
+                "padded batches without the padding. Evaluation stays one sentence per row. 0: padded batches."})
+    document_sentences: int = field(default=1, metadata={
+        "help": "Document-level translation: join N consecutive pairs into one source/target document (one long "
+                "sequence, attention across its sentences). Default batch sizes and --max_eval_samples are "
+                "divided by N (same sentences per step)."})
     max_source_length: int = field(default=0, metadata={"help": "Truncate sources to this many tokens "
-                                                                "(0: 80 x pack_sentences, which truncates nothing)."})
+                                                                "(0: 80 x document_sentences, which truncates "
+                                                                "nothing)."})
     max_target_length: int = field(default=0, metadata={"help": "Same for targets."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
     max_eval_samples: int | None = field(default=400, metadata={
@@ -77,6 +93,13 @@ class DataArguments:
     max_pairs: int | None = field(default=None, metadata={
         "help": "Read only the first N pairs of the data file (its shortest sentences; for quick tests)."})
     test_num_beams: int = field(default=4, metadata={"help": "Beam size for the final test translation."})
+    max_length_a: float = field(default=1.5, metadata={
+        "help": "Each generated translation stops after a x source tokens + b (as translation toolkits bound it); "
+                "0 disables the per-sentence bound."})
+    max_length_b: int = field(default=10, metadata={"help": "See --max_length_a."})
+    no_repeat_ngram_size: int = field(default=3, metadata={
+        "help": "Generation never repeats an n-gram of this size (guards beam search against 'propres propres "
+                "propres ...'); 0 disables it."})
     max_train_minutes: float = field(default=22.0, metadata={
         "help": "Stop training after this many minutes (evaluation, test and saving follow); 0: no limit."})
     num_examples_to_print: int = field(default=5, metadata={"help": "Test translations printed at the end."})
@@ -105,7 +128,7 @@ class RecipeTrainingArguments(seqpar_hf.SequenceParallelArguments):
     save_strategy: str = "no"  # the final model is saved at the end
     predict_with_generate: bool = True
     generation_num_beams: int = 1  # greedy for the periodic evaluation; --test_num_beams for the test set
-    report_to: str | list[str] = "none"
+    report_to: None | str | list[str] = "none"
     dataloader_num_workers: int = 0
     seed: int = 0
 
@@ -161,6 +184,65 @@ def build_model(model_args: ModelArguments, tokenizer, max_length: int) -> Maria
     return model
 
 
+class TokenCounter:
+    """Wraps the training collator and counts the real (non-padding) source + target tokens it collates."""
+
+    def __init__(self, collator):
+        self.collator, self.tokens = collator, 0
+
+    def __call__(self, features):
+        self.tokens += sum(len(f["input_ids"]) + len(f["labels"]) for f in features)
+        return self.collator(features)
+
+
+class RealTokens(TrainerCallback):
+    """Logs real (non-padding) training tokens per second: what packing and length grouping change."""
+
+    def __init__(self, counter: TokenCounter):
+        self.counter, self.start, self.rate = counter, None, 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start, self.counter.tokens = time.time(), 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and state.is_world_process_zero:
+            self.rate = self.counter.tokens / (time.time() - self.start)
+            logger.info("step %d: %.0f real tokens/s", state.global_step, self.rate)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.rate = self.counter.tokens / (time.time() - self.start)
+        if state.is_world_process_zero:
+            logger.info("training: %d real tokens in %.0f s = %.0f real tokens/s (%d steps)", self.counter.tokens,
+                        time.time() - self.start, self.rate, state.global_step)
+
+
+class SourceLengthLimit(LogitsProcessor):
+    """Forces </s> once a row has generated `a x source length + b` tokens (per sentence, per beam)."""
+
+    def __init__(self, limits: torch.Tensor, eos_token_id: int, prompt_length: int):
+        self.limits, self.eos, self.prompt = limits, eos_token_id, prompt_length
+
+    def __call__(self, input_ids, scores):
+        rows = self.limits.repeat_interleave(input_ids.shape[0] // self.limits.shape[0]).to(scores.device)
+        done = input_ids.shape[1] - self.prompt >= rows  # [batch * beams]
+        if bool(done.any()):
+            forced = torch.full_like(scores[0], float("-inf"))
+            forced[self.eos] = 0.0
+            scores = torch.where(done[:, None], forced, scores)
+        return scores
+
+
+def generation_kwargs_fn(data_args: DataArguments, tokenizer):
+    """Per-batch generate() arguments: the per-sentence length bound from each source's length."""
+    def kwargs(inputs: dict) -> dict:
+        if data_args.max_length_a <= 0:
+            return {}
+        sources = inputs["attention_mask"].sum(-1)
+        limits = (data_args.max_length_a * sources).ceil().long() + data_args.max_length_b
+        return {"logits_processor": LogitsProcessorList([SourceLengthLimit(limits, tokenizer.eos_token_id, 1)])}
+    return kwargs
+
+
 def bleu_metric():
     return evaluate.load(str(ROOT / "metrics" / "sacrebleu_local"))
 
@@ -190,19 +272,30 @@ def main(argv=None):
         threads = use_the_cores(data_args.num_threads)
     logger.info("compute: %s", threads)
 
-    pack = data_args.pack_sentences
-    if pack > 1:  # keep ~the same number of sentences per step and per evaluation as unpacked
+    docs = data_args.document_sentences
+    if docs > 1:  # keep ~the same number of sentences per step and per evaluation as one sentence per row
         for name, default in DEFAULT_BATCH.items():
             if getattr(training_args, name) == default:
-                setattr(training_args, name, max(1, default // pack))
+                setattr(training_args, name, max(1, default // docs))
         if data_args.max_eval_samples == DataArguments.max_eval_samples:
-            data_args.max_eval_samples = max(8, DataArguments.max_eval_samples // pack)
-    max_source = data_args.max_source_length or 80 * pack
-    max_target = data_args.max_target_length or 80 * pack
+            data_args.max_eval_samples = max(8, DataArguments.max_eval_samples // docs)
+    if data_args.pack_tokens and docs > 1:
+        raise ValueError("--pack_tokens packs sentence pairs into rows; --document_sentences joins them into documents: "
+                         "choose one")
+    max_source = data_args.max_source_length or 80 * docs
+    max_target = data_args.max_target_length or 80 * docs
+    if data_args.pack_tokens and data_args.pack_tokens < max(max_source, max_target):
+        raise ValueError(f"--pack_tokens {data_args.pack_tokens} is shorter than the longest pair "
+                         f"({max(max_source, max_target)} tokens: --max_source_length / --max_target_length); "
+                         "raise it (e.g. --pack_tokens 128) or truncate the pairs")
+    if data_args.pack_tokens and training_args.train_sampling_strategy == "group_by_length" and \
+            "--train_sampling_strategy" not in (argv or sys.argv):
+        training_args.train_sampling_strategy = "random"  # packed rows carry no padding: no need to sort by length
     with training_args.main_process_first(desc="preparing the data"):  # rank 0 builds the cache, others read it
         tokenizer, splits = translation_data.prepare(
-            data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed, pack_sentences=pack,
-            max_source_length=max_source, max_target_length=max_target, max_pairs=data_args.max_pairs)
+            data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed,
+            document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
+            max_pairs=data_args.max_pairs, lowercase=data_args.lowercase)
     train, validation, test = splits["train"], splits["validation"], splits["test"]
     if data_args.max_train_samples:
         train = train.select(range(min(data_args.max_train_samples, len(train))))
@@ -210,10 +303,13 @@ def main(argv=None):
         validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
     if data_args.max_test_samples:
         test = test.select(range(min(data_args.max_test_samples, len(test))))
-    logger.info("data: %d train / %d validation / %d test examples (%d sentence pairs each); prepared in %.0f s",
-                len(train), len(validation), len(test), pack, time.time() - started)
+    logger.info("data: %d train / %d validation / %d test examples (%d sentence pair%s each%s); prepared in %.0f s",
+                len(train), len(validation), len(test), docs, "s" if docs > 1 else "",
+                ", lowercased" if data_args.lowercase else "", time.time() - started)
 
     model = build_model(model_args, tokenizer, max(max_source, max_target))
+    # saved with the model, so plain generate() after from_pretrained guards against repetition too
+    model.generation_config.no_repeat_ngram_size = data_args.no_repeat_ngram_size or None
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: Marian d=%d, %d+%d layers, %d heads, %.1fM parameters; %s", model_args.d_model,
                 model_args.encoder_layers, model_args.decoder_layers, model_args.attention_heads, n_params / 1e6,
@@ -221,12 +317,22 @@ def main(argv=None):
     training_args.generation_max_length = max_target
     metric = bleu_metric()
     columns = ["input_ids", "attention_mask", "labels"]
+    padded = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    if data_args.pack_tokens:
+        train_collator = Seq2SeqPackingCollator(data_args.pack_tokens, tokenizer.pad_token_id,
+                                                model.config.decoder_start_token_id,
+                                                pad_to_multiple_of=training_args.sp_size)
+        logger.info("training on packed rows of up to %d tokens per side", data_args.pack_tokens)
+    else:
+        train_collator = padded
+    counter = TokenCounter(train_collator)
     trainer = seqpar_hf.SequenceParallelTrainer(
         model=model, args=training_args, train_dataset=train.select_columns(columns),
         eval_dataset=validation.select_columns(columns), processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        data_collator=counter, eval_data_collator=padded,
+        generation_kwargs_fn=generation_kwargs_fn(data_args, tokenizer),
         compute_metrics=make_compute_metrics(tokenizer, validation["fr_refs"], metric),
-        callbacks=[TimeBudget(data_args.max_train_minutes)])
+        callbacks=[TimeBudget(data_args.max_train_minutes), RealTokens(counter)])
     logger.info("%s", trainer.layout)
 
     trainer.train()
@@ -243,8 +349,8 @@ def main(argv=None):
         print("\nTest translations:")
         for en, refs, hyp in zip(test["en"], test["fr_refs"], hypotheses):
             print(f"  EN:  {en}\n  REF: {refs[0]}\n  OUT: {hyp}\n")
-        print(f"test BLEU {output.metrics['test_bleu']:.2f} (beam {data_args.test_num_beams}); "
-              f"total time {(time.time() - started) / 60:.1f} min")
+        print(f"test BLEU {output.metrics['test_bleu']:.2f} (beam {data_args.test_num_beams}, decoding "
+              f"{output.metrics['test_runtime']:.0f} s); total time {(time.time() - started) / 60:.1f} min")
         print(f"saved model: {os.path.abspath(training_args.output_dir)}")
     return output.metrics
 

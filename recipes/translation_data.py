@@ -3,7 +3,7 @@
 Pipeline, all run by `prepare` (which caches its result on disk):
 
     load_pairs -> split_by_source -> add_word_tokens (NLTK, per sentence) -> train_tokenizer (BPE, train split)
-    -> build_tokenized_splits (pack n sentences per document, subword ids)
+    -> build_tokenized_splits (optionally n sentences per document, subword ids)
 
 Model outputs are turned back into text for BLEU with `decode_french` (= subword decode + `detokenize_fr`) and
 scored against the `fr_refs` column with metrics/sacrebleu_local.
@@ -12,6 +12,7 @@ scored against the `fr_refs` column with metrics/sacrebleu_local.
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import hashlib
 import json
@@ -39,7 +40,7 @@ SPECIAL_TOKENS = (PAD, EOS, UNK)
 _END_OF_WORD = "</w>"
 
 # Bump when preprocessing changes, so old cache entries are not reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: pack_sentences renamed document_sentences
 
 # French text in the file puts a no-break space (U+00A0), a narrow no-break space (U+202F) or, rarely, a thin
 # space (U+2009) before ! ? : ; and inside « ». A model cannot tell them apart from a space: make them spaces.
@@ -126,15 +127,17 @@ def normalize_spaces(text: str) -> str:
     return text.translate(_SPACES)
 
 
-def tokenize_en(text: str) -> str:
-    """English sentence -> NLTK word tokens joined by single spaces."""
+def tokenize_en(text: str, lowercase: bool = False) -> str:
+    """English sentence -> NLTK word tokens joined by single spaces (lowercased first if asked)."""
+    text = normalize_spaces(text)
     # preserve_line=True skips the Punkt sentence splitter, so no NLTK data is needed (and `language` is unused).
-    return " ".join(nltk.word_tokenize(normalize_spaces(text), language="english", preserve_line=True))
+    return " ".join(nltk.word_tokenize(text.lower() if lowercase else text, language="english", preserve_line=True))
 
 
-def tokenize_fr(text: str) -> str:
-    """French sentence -> NLTK word tokens joined by single spaces."""
-    return " ".join(nltk.word_tokenize(normalize_spaces(text), language="french", preserve_line=True))
+def tokenize_fr(text: str, lowercase: bool = False) -> str:
+    """French sentence -> NLTK word tokens joined by single spaces (lowercased first if asked)."""
+    text = normalize_spaces(text)
+    return " ".join(nltk.word_tokenize(text.lower() if lowercase else text, language="french", preserve_line=True))
 
 
 def detokenize_fr(text: str) -> str:
@@ -156,15 +159,16 @@ def _map_unique(fn: Callable[[str], str], texts: Sequence[str], num_proc: int) -
     return [table[text] for text in texts]
 
 
-def add_word_tokens(items: Sequence[dict], num_proc: int = 1) -> list[dict]:
-    """Copies of `items` with "en_tok" / "fr_tok": the NLTK-tokenized "en" / "fr".
+def add_word_tokens(items: Sequence[dict], num_proc: int = 1, lowercase: bool = False) -> list[dict]:
+    """Copies of `items` with "en_tok" / "fr_tok": the NLTK-tokenized "en" / "fr" (lowercased if asked).
 
-    Tokenize before packing: NLTK only splits a sentence-final period at the very end of its input.
-    NLTK is the slow step (~0.1 ms a sentence), hence distinct texts only and optional processes (<= 2 here).
+    Tokenize before joining sentences into documents: NLTK only splits a sentence-final period at the very
+    end of its input. NLTK is the slow step (~0.1 ms a sentence), hence distinct texts only and optional
+    processes (<= 2 here).
     """
     _require_at_least("num_proc", num_proc, 1)
-    en_tok = _map_unique(tokenize_en, [item["en"] for item in items], num_proc)
-    fr_tok = _map_unique(tokenize_fr, [item["fr"] for item in items], num_proc)
+    en_tok = _map_unique(functools.partial(tokenize_en, lowercase=lowercase), [item["en"] for item in items], num_proc)
+    fr_tok = _map_unique(functools.partial(tokenize_fr, lowercase=lowercase), [item["fr"] for item in items], num_proc)
     return [{**item, "en_tok": en, "fr_tok": fr} for item, en, fr in zip(items, en_tok, fr_tok)]
 
 
@@ -201,8 +205,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
-def pack_pairs(items: Sequence[dict], n: int) -> list[dict]:
+def join_documents(items: Sequence[dict], n: int) -> list[dict]:
     """Join every `n` consecutive items into one document (the last one may hold fewer); n=1 is the identity.
+    Document-level translation: one long sequence per document, attention across its sentences.
 
     String fields ("en", "fr", "en_tok", ...) are joined with a space. "fr_refs" (held-out items) becomes a list
     as long as the longest reference list in the group: reference k joins each sentence's k-th reference, or
@@ -236,12 +241,14 @@ def build_tokenized_splits(
     splits: dict[str, Sequence[dict]],
     max_source_length: int,
     max_target_length: int,
-    pack_sentences: int = 1,
+    document_sentences: int = 1,
     num_proc: int = 1,
+    lowercase: bool = False,
 ) -> datasets.DatasetDict:
-    """Pack and encode each split (items from `split_by_source`, optionally already through `add_word_tokens`).
+    """Encode each split (items from `split_by_source`, optionally already through `add_word_tokens`),
+    optionally joining `document_sentences` pairs into one document.
 
-    Columns, one row per packed document (each id list ends with </s>, truncated to the max length):
+    Columns, one row per document (each id list ends with </s>, truncated to the max length):
         input_ids, attention_mask: English ids [<= max_source_length]
         labels:                    French ids  [<= max_target_length]
         en, fr_refs:               held-out splits only: English text, and French references
@@ -253,8 +260,8 @@ def build_tokenized_splits(
     columns = {}
     for name, items in splits.items():
         if items and "en_tok" not in items[0]:
-            items = add_word_tokens(items, num_proc)
-        documents = pack_pairs(items, pack_sentences)
+            items = add_word_tokens(items, num_proc, lowercase)
+        documents = join_documents(items, document_sentences)
         source_ids = _encode(tokenizer, [d["en_tok"] for d in documents], max_source_length)
         split = {
             "input_ids": source_ids,
@@ -263,7 +270,8 @@ def build_tokenized_splits(
         }
         if documents and "fr_refs" in documents[0]:
             split["en"] = [d["en"] for d in documents]
-            split["fr_refs"] = [[normalize_spaces(ref) for ref in d["fr_refs"]] for d in documents]
+            case = str.lower if lowercase else (lambda text: text)
+            split["fr_refs"] = [[case(normalize_spaces(ref)) for ref in d["fr_refs"]] for d in documents]
         columns[name] = datasets.Dataset.from_dict(split)
     return datasets.DatasetDict(columns)
 
@@ -297,7 +305,7 @@ def prepare(
     cache_dir: str | os.PathLike,
     vocab_size: int = 8000,
     seed: int = 0,
-    pack_sentences: int = 1,
+    document_sentences: int = 1,
     max_source_length: int = 256,
     max_target_length: int = 256,
     data_path: str | os.PathLike = DEFAULT_DATA_PATH,
@@ -305,6 +313,7 @@ def prepare(
     test_fraction: float = 0.02,
     max_pairs: int | None = None,
     num_proc: int = 2,
+    lowercase: bool = False,
 ) -> tuple[PreTrainedTokenizerFast, datasets.DatasetDict]:
     """Tokenizer and tokenized splits for the recipe, cached under `cache_dir`.
 
@@ -315,7 +324,7 @@ def prepare(
     """
     # Fail before minutes of work, not after.
     _require_at_least("vocab_size", vocab_size, len(SPECIAL_TOKENS) + 1)
-    _require_at_least("pack_sentences", pack_sentences, 1)
+    _require_at_least("document_sentences", document_sentences, 1)
     _require_at_least("max_source_length", max_source_length, 2)
     _require_at_least("max_target_length", max_target_length, 2)
     _require_at_least("num_proc", num_proc, 1)
@@ -324,13 +333,15 @@ def prepare(
         "data_sha256": file_sha256(data_path),
         "vocab_size": vocab_size,
         "seed": seed,
-        "pack_sentences": pack_sentences,
+        "document_sentences": document_sentences,
         "max_source_length": max_source_length,
         "max_target_length": max_target_length,
         "valid_fraction": valid_fraction,
         "test_fraction": test_fraction,
         "max_pairs": max_pairs,
     }
+    if lowercase:  # only when set, so cased entries keep their key
+        settings["lowercase"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     entry = Path(cache_dir) / f"translation-{key}"
     if not (entry / "settings.json").is_file():  # written last: its presence means the entry is complete
@@ -343,7 +354,8 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
     if settings["max_pairs"] is not None:
         pairs = pairs[: settings["max_pairs"]]
     splits = split_by_source(pairs, settings["seed"], settings["valid_fraction"], settings["test_fraction"])
-    splits = {name: add_word_tokens(items, num_proc) for name, items in splits.items()}
+    lowercase = settings.get("lowercase", False)
+    splits = {name: add_word_tokens(items, num_proc, lowercase) for name, items in splits.items()}
     tokenizer = train_tokenizer(
         (text for item in splits["train"] for text in (item["en_tok"], item["fr_tok"])), settings["vocab_size"]
     )
@@ -355,7 +367,8 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
         # Save before encoding: encoding with truncation leaves max_length in the tokenizer's saved settings.
         tokenizer.save_pretrained(scratch / "tokenizer")
         tokenized = build_tokenized_splits(
-            tokenizer, splits, settings["max_source_length"], settings["max_target_length"], settings["pack_sentences"]
+            tokenizer, splits, settings["max_source_length"], settings["max_target_length"],
+            settings["document_sentences"], lowercase=lowercase,
         )
         tokenized.save_to_disk(scratch / "dataset")
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")

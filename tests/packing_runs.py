@@ -21,6 +21,9 @@ from .parity import _grad_errors
 
 DOC_LENGTHS = (5, 9, 3, 7, 1, 6)  # 31 tokens: documents cross shard boundaries and ring hops
 PAIR_LENGTHS = ((4, 6), (7, 3), (2, 5), (6, 6), (1, 2), (5, 4))
+# many short documents in long rows: attention takes the by-document path (kernels._by_document)
+MANY_DOCS = tuple(3 + (7 * i) % 5 for i in range(40))  # 197 tokens
+MANY_PAIRS = tuple((2 + (3 * i) % 5, 2 + (7 * i) % 4) for i in range(30))
 
 
 def _docs(seed: int, lengths=DOC_LENGTHS) -> list[list[int]]:
@@ -28,9 +31,9 @@ def _docs(seed: int, lengths=DOC_LENGTHS) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def causal_packed_batch(seed: int, flash_kwargs: bool = True, rows: int = 1) -> dict:
+def causal_packed_batch(seed: int, flash_kwargs: bool = True, rows: int = 1, lengths=DOC_LENGTHS) -> dict:
     """`rows` packed rows of the same documents (rows > 1: position_ids [rows, T], no flash kwargs)."""
-    docs = _docs(seed)
+    docs = _docs(seed, lengths)
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d, "labels": d}
                                                                                for d in docs])
     if rows > 1:
@@ -40,15 +43,15 @@ def causal_packed_batch(seed: int, flash_kwargs: bool = True, rows: int = 1) -> 
     return batch
 
 
-def seq2seq_pairs(seed: int) -> list[tuple[list[int], list[int]]]:
+def seq2seq_pairs(seed: int, lengths=PAIR_LENGTHS) -> list[tuple[list[int], list[int]]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(3, VOCAB, (a,), generator=g).tolist(), torch.randint(3, VOCAB, (b,), generator=g).tolist())
-            for a, b in PAIR_LENGTHS]
+            for a, b in lengths]
 
 
-def seq2seq_packed_batch(seed: int, max_tokens: int = 12) -> dict:
+def seq2seq_packed_batch(seed: int, max_tokens: int = 12, lengths=PAIR_LENGTHS) -> dict:
     return Seq2SeqPackingCollator(max_tokens, pad_token_id=0, decoder_start_token_id=0)(
-        [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed)])
+        [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed, lengths)])
 
 
 def run_case(case: dict) -> dict:
@@ -59,15 +62,18 @@ def run_case(case: dict) -> dict:
     model = build_model(family, **case.get("model", {}))
     reference = copy.deepcopy(model)
     seqpar_hf.patch_model(model, layout)
+    many = case.get("many", False)
     if family in SEQ2SEQ:
-        batch = seq2seq_packed_batch(7)
+        lengths = MANY_PAIRS if many else PAIR_LENGTHS
+        batch = seq2seq_packed_batch(7, 160 if many else 12, lengths)
         loss = model(**batch).loss
-        pairs = seq2seq_pairs(7)
+        pairs = seq2seq_pairs(7, lengths)
         tokens = sum(len(t) for _, t in pairs)
         ref_loss = sum(reference(input_ids=torch.tensor([s]), labels=torch.tensor([t])).loss * len(t)
                        for s, t in pairs) / tokens
     else:
-        batch = causal_packed_batch(7, case.get("flash_kwargs", True), case.get("rows", 1))
+        batch = causal_packed_batch(7, case.get("flash_kwargs", True), case.get("rows", 1),
+                                    MANY_DOCS if many else DOC_LENGTHS)
         loss = model(**batch).loss
         ref_loss = reference(**{k: v for k, v in batch.items()}, use_cache=False).loss
     loss.backward()

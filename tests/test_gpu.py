@@ -43,3 +43,42 @@ def test_patched_model_on_cuda_bf16(family):
     batch = {k: v.cuda() for k, v in make_batch(family, seed=0).items()}
     seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
     assert relative_error(model(**batch).loss.float(), reference(**batch).loss.float()) < 1e-2
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_attention_on_cuda_takes_the_varlen_kernel_and_matches_the_cpu(window):
+    """Packed (and windowed) whole-sequence attention on CUDA builds no [s, s] mask: the varlen kernel
+    over documents, equal to the dense-mask CPU path, forward and backward."""
+    from seqpar_hf.attention import kernels
+    from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+    from seqpar_hf.parallel.sharding import ShardPlan
+
+    torch.manual_seed(0)
+    doc = torch.tensor([[0] * 5 + [1] * 9 + [2] * 3 + [3] * 15])  # [1, 32]
+    plan = ShardPlan.build(32, 1, 0)
+    q, k, v = (torch.randn(1, 4, 32, 16, requires_grad=True) for _ in range(3))
+    results = []
+    for device in ("cpu", "cuda"):
+        meta = SeqMeta(plan, None, doc.to(device))
+        spec = MaskSpec(meta, meta, causal=True, window=window)
+        cache = {}
+        leaves = [t.detach().to(device).requires_grad_() for t in (q, k, v)]
+        out = kernels.attention(*leaves, spec, 0.25, 0.0, None, cache)
+        out.backward(torch.ones_like(out))
+        if device == "cuda":
+            assert not any(key[0] == "full" for key in cache), "a dense mask was built on CUDA"
+        results.append([out.detach().cpu()] + [t.grad.cpu() for t in leaves])
+    for got, want in zip(results[1], results[0]):
+        assert relative_error(got, want) < 1e-4
+
+
+def test_packed_llama_on_cuda_equals_the_unpatched_model():
+    from transformers import DataCollatorWithFlattening
+
+    model = build_model("llama").cuda()
+    reference = copy.deepcopy(model)
+    docs = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    batch = DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in docs])
+    batch = {k: v.cuda() for k, v in batch.items()}
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    assert relative_error(model(**batch).loss, reference(**batch, use_cache=False).loss) < 1e-5

@@ -28,7 +28,11 @@ def _cases(sp: int, modes) -> list[dict]:
                   dict(base, name=f"{tag}-mistral-window-3", family="mistral", model=dict(sliding_window=3)),
                   dict(base, name=f"{tag}-marian", family="marian"),
                   dict(base, name=f"{tag}-bart", family="bart"),
-                  dict(base, name=f"{tag}-m2m100", family="m2m100")]
+                  dict(base, name=f"{tag}-m2m100", family="m2m100"),
+                  dict(base, name=f"{tag}-llama-many-documents", family="llama", many=True),
+                  dict(base, name=f"{tag}-mistral-window-3-many-documents", family="mistral",
+                       model=dict(sliding_window=3), many=True),
+                  dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True)]
     return cases
 
 
@@ -87,7 +91,7 @@ def test_seq2seq_rows_with_unpaired_documents():
 
 
 def test_a_pair_longer_than_the_row():
-    assert pack_pairs([(3, 4), (5, 2), (2, 2)], 8) == [[0, 1], [2]]
+    assert pack_pairs([(3, 4), (5, 2), (2, 2)], 8) == [[1], [0, 2]]  # 2 rows of 5 + 2 and 5 + 6 tokens
     with pytest.raises(ValueError, match="pair 1 has 9 source and 2 target tokens, longer than a packed row of 8"):
         pack_pairs([(3, 4), (9, 2)], 8)
 

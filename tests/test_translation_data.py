@@ -162,10 +162,10 @@ def test_tokenizer_round_trip_and_reload(small_tokenizer, tmp_path):
     assert reloaded.batch_decode(encoded, skip_special_tokens=True) == texts[:500]
 
 
-def test_pack_pairs():
+def test_join_documents():
     items = [{"en": f"e{i}", "fr": f"f{i}"} for i in range(5)]
-    assert td.pack_pairs(items, 1) == items
-    assert td.pack_pairs(items, 2) == [
+    assert td.join_documents(items, 1) == items
+    assert td.join_documents(items, 2) == [
         {"en": "e0 e1", "fr": "f0 f1"},
         {"en": "e2 e3", "fr": "f2 f3"},
         {"en": "e4", "fr": "f4"},
@@ -175,15 +175,15 @@ def test_pack_pairs():
         {"en": "B.", "fr": "b1", "fr_refs": ["b1"]},
         {"en": "C.", "fr": "c1", "fr_refs": ["c1", "c2", "c3"]},
     ]
-    assert td.pack_pairs(held_out, 3)[0]["fr_refs"] == ["a1 b1 c1", "a2 b1 c2", "a1 b1 c3"]
+    assert td.join_documents(held_out, 3)[0]["fr_refs"] == ["a1 b1 c1", "a2 b1 c2", "a1 b1 c3"]
     with pytest.raises(ValueError, match="got 0"):
-        td.pack_pairs(items, 0)
+        td.join_documents(items, 0)
 
 
 def test_build_tokenized_splits(small_tokenizer, sample):
     tokenizer, _ = small_tokenizer
     splits = td.split_by_source(sample, seed=0)
-    data = td.build_tokenized_splits(tokenizer, splits, max_source_length=24, max_target_length=20, pack_sentences=3)
+    data = td.build_tokenized_splits(tokenizer, splits, max_source_length=24, max_target_length=20, document_sentences=3)
     assert set(data) == {"train", "validation", "test"}
     assert len(data["train"]) == -(-len(splits["train"]) // 3)
     assert set(data["train"].column_names) == {"input_ids", "attention_mask", "labels"}
@@ -215,7 +215,7 @@ def test_metric_loads_offline_and_uses_all_references(monkeypatch):
 
 
 def test_prepare_cache_hit(tmp_path):
-    args = dict(vocab_size=300, seed=0, pack_sentences=2, max_source_length=32, max_target_length=32, max_pairs=2000)
+    args = dict(vocab_size=300, seed=0, document_sentences=2, max_source_length=32, max_target_length=32, max_pairs=2000)
     start = time.perf_counter()
     tokenizer, data = td.prepare(tmp_path, num_proc=1, **args)
     cold = time.perf_counter() - start

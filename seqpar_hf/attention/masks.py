@@ -9,9 +9,11 @@ A query at sequence index i may see a key at index j when all of these hold:
 
 Masks are built from these per forward, never per layer: `full_mask` for the whole sequence (Ulysses
 holds it after its all-to-all), `block_mask` for a block of rows and columns (a ring step).
-On CPU they are dense boolean tensors ([b, 1, s_q, s_k], at most 1 byte per query-key pair and row:
-256 MiB for one 16K-token row); on CUDA packed and windowed attention over whole sequences takes
-the varlen kernel instead (`segments`), with no mask at all.
+Packed rows never get a row-long mask: attention over whole sequences gathers each document into
+a batch of its own (`DocumentBatch`, [documents, longest document] tokens) or, on CUDA for
+self-attention, takes the varlen kernel (`segments`). Other masks are dense booleans over whole
+sequences ([b, 1, s_q, s_k], 1 byte per query-key pair; SDPA's CPU kernel turns it into a float mask
+of 4 more bytes per pair: 320 MiB for one 8K-token padded row).
 """
 
 from __future__ import annotations
@@ -110,3 +112,43 @@ def segments(meta: SeqMeta) -> tuple[torch.Tensor, int] | None:
     starts = new.flatten().nonzero().flatten()
     cu = torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
+
+
+@dataclass
+class DocumentBatch:
+    """The documents of packed rows as a batch of their own, for attention over whole sequences:
+    `q_index[n, i]` is the flat ([b * S_q]) index of document n's i-th query token (`q_valid` marks the
+    real ones; the rest point at index 0), likewise for keys. Document n on the query side pairs with
+    document n on the key side (the same document in self-attention, the same pair in cross-attention).
+    Padding belongs to no document: its queries see no key and get zeros, as in the dense path."""
+
+    q_index: torch.Tensor  # [n, Lq] int64
+    q_valid: torch.Tensor  # [n, Lq] bool
+    k_index: torch.Tensor  # [n, Lk]
+    k_valid: torch.Tensor  # [n, Lk]
+
+    @staticmethod
+    def _side(meta: SeqMeta):
+        doc = meta.doc
+        real = doc >= 0 if meta.valid is None else (doc >= 0) & meta.valid
+        b, s = doc.shape
+        group = torch.where(real, torch.arange(b, device=doc.device)[:, None] * (s + 1) + doc, -1).flatten()
+        flat = real.flatten().nonzero().flatten()  # documents are contiguous runs in flat order
+        groups, counts = torch.unique_consecutive(group[flat], return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        longest = int(counts.max()) if counts.numel() else 0
+        offsets = torch.arange(longest, device=doc.device)
+        valid = offsets[None, :] < counts[:, None]  # [n, L]
+        index = torch.where(valid, flat[(starts[:, None] + offsets[None, :]).clamp(max=flat.numel() - 1)], 0)
+        return groups, index, valid
+
+    @classmethod
+    def build(cls, q: SeqMeta, k: SeqMeta) -> "DocumentBatch | None":
+        """None when the two sides do not hold the same documents (e.g. a pair empty on one side)."""
+        q_groups, q_index, q_valid = cls._side(q)
+        if k is q:
+            return cls(q_index, q_valid, q_index, q_valid)
+        k_groups, k_index, k_valid = cls._side(k)
+        if not torch.equal(q_groups, k_groups):
+            return None
+        return cls(q_index, q_valid, k_index, k_valid)

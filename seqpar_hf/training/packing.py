@@ -25,29 +25,38 @@ IGNORE_INDEX = -100
 
 
 def pack_pairs(lengths: Sequence[tuple[int, int]], max_tokens: int) -> list[list[int]]:
-    """Indices of the pairs of each row, in order: a row takes the next pair while both sides fit
-    (first fit in order keeps the data order; the caller's sampler decides what goes together)."""
-    rows, row, used = [], [], (0, 0)
+    """Indices of the pairs of each row. As few rows as the longer side needs, filled evenly: pairs,
+    longest first, each go to the least-filled row they fit in (a new row when none has room), so the
+    rows end up about equally long and the padding to the longest row is small. Which pairs share a
+    step is the caller's (the sampler's) decision; within a step the order does not matter."""
     for i, (src, tgt) in enumerate(lengths):
         if src > max_tokens or tgt > max_tokens:
             raise ValueError(f"pair {i} has {src} source and {tgt} target tokens, longer than a packed row of "
                              f"{max_tokens} tokens per side; raise the row size or truncate the pair")
-        if row and (used[0] + src > max_tokens or used[1] + tgt > max_tokens):
-            rows.append(row)
-            row, used = [], (0, 0)
-        row.append(i)
-        used = (used[0] + src, used[1] + tgt)
-    if row:
-        rows.append(row)
-    return rows
+    total_src, total_tgt = sum(s for s, _ in lengths), sum(t for _, t in lengths)
+    n_rows = max(1, -(-total_src // max_tokens), -(-total_tgt // max_tokens))
+    rows: list[list[int]] = [[] for _ in range(n_rows)]
+    loads = [[0, 0] for _ in range(n_rows)]
+    for i in sorted(range(len(lengths)), key=lambda i: -max(lengths[i])):
+        src, tgt = lengths[i]
+        fits = [r for r in range(len(rows)) if loads[r][0] + src <= max_tokens and loads[r][1] + tgt <= max_tokens]
+        if not fits:
+            rows.append([])
+            loads.append([0, 0])
+            fits = [len(rows) - 1]
+        r = min(fits, key=lambda r: max(loads[r]))
+        rows[r].append(i)
+        loads[r][0] += src
+        loads[r][1] += tgt
+    return [sorted(row) for row in rows if row]
 
 
 class Seq2SeqPackingCollator:
     """Collate a list of (source, target) examples into packed rows of at most `max_tokens` per side.
 
     Features are dicts with `input_ids` and `labels` (lists of ints, as a tokenizer returns them).
-    Every pair of the batch lands in exactly one row, so a step sees the same pairs as unpacked, with
-    (almost) no padding. `pad_to_multiple_of` pads the row length (e.g. to the SP size).
+    Every pair of the batch lands in exactly one row (see `pack_pairs`), so a step sees the same pairs
+    as unpacked, with (almost) no padding. `pad_to_multiple_of` pads the row length (e.g. to the SP size).
     """
 
     def __init__(self, max_tokens: int, pad_token_id: int, decoder_start_token_id: int,

@@ -12,6 +12,7 @@ the same global batch logs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class SequenceParallelMixin:
 
     layout: ParallelLayout
 
+    eval_data_collator = None  # evaluation / prediction batches (None: the training collator)
+
     def _setup_layout(self, model, args, layout: ParallelLayout | None):
         if args is None or not hasattr(args, "sp_size"):
             raise TypeError(f"{type(self).__name__} needs sequence-parallel training arguments "
@@ -121,6 +124,25 @@ class SequenceParallelMixin:
         # this trainer's accelerator only
         self.accelerator.prepare_data_loader = functools.partial(prepare_replica_data_loader, self.accelerator,
                                                                  self.layout)
+
+    @contextlib.contextmanager
+    def _eval_collator(self):
+        if self.eval_data_collator is None:
+            yield
+            return
+        train_collator, self.data_collator = self.data_collator, self.eval_data_collator
+        try:
+            yield
+        finally:
+            self.data_collator = train_collator
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._eval_collator():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with self._eval_collator():
+            return super().get_test_dataloader(test_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
         # Evaluation and prediction keep the dataset's order (transformers would group them by length
@@ -194,12 +216,18 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
     causal LMs as well as encoder-decoder models. Generation (`predict_with_generate`) runs without
     SP: each rank of a group generates a slice of the group's batch and the slices are gathered in
     order.
+
+    `eval_data_collator` collates evaluation and prediction batches (e.g. one sentence per row for
+    generation while training on packed rows); `generation_kwargs_fn(inputs) -> dict` adds per-batch
+    `generate` arguments (e.g. a length limit from each source's length).
     """
 
     def __init__(self, model=None, args: SequenceParallelArguments | None = None, *pargs,
-                 layout: ParallelLayout | None = None, **kwargs):
+                 layout: ParallelLayout | None = None, eval_data_collator=None, generation_kwargs_fn=None,
+                 **kwargs):
         if args is None or not isinstance(args, SequenceParallelArguments):
             raise TypeError("SequenceParallelTrainer needs args=SequenceParallelArguments(...)")
+        self.eval_data_collator, self.generation_kwargs_fn = eval_data_collator, generation_kwargs_fn
         self._setup_layout(model, args, layout)
         self._eval_batch_losses = []
         super().__init__(model, args, *pargs, **kwargs)
@@ -292,6 +320,8 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
         sp, rank = self.layout.sp_size, self.layout.sp_rank
         bounds = [rows * i // sp for i in range(sp + 1)]  # contiguous slices keep the order
         mine = {k: v[bounds[rank]:bounds[rank + 1]] for k, v in generation_inputs.items()}
+        if self.generation_kwargs_fn is not None and bounds[rank + 1] > bounds[rank]:
+            gen_kwargs = {**gen_kwargs, **self.generation_kwargs_fn(mine)}
         model = self.accelerator.unwrap_model(self.model)
         tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
         if sp == 1:
