@@ -75,3 +75,4 @@ def trainer_train_batch_size(trainer) -> int:
 def seq2seq_gen_kwargs(trainer) -> dict:
     """`Seq2SeqTrainer._gen_kwargs`: the generation kwargs `evaluate`/`predict` were called with."""
     return dict(getattr(trainer, "_gen_kwargs", None) or {})
+

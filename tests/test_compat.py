@@ -51,12 +51,6 @@ def test_transformers_trainer_hooks_we_override_or_read():
         assert name in inspect.getsource(Trainer)
 
 
-def test_trl_token_count_divisor():
-    trl = pytest.importorskip("trl")
-    assert "self._tp_size" in inspect.getsource(trl.SFTTrainer.__init__)
-    assert "self._tp_size" in inspect.getsource(trl.SFTTrainer.compute_loss)
-
-
 @pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True), (True, True)])
 def test_cpu_block_kernels_match_the_math(causal, masked):
     torch.manual_seed(0)

@@ -53,6 +53,12 @@ def _bad_inputs():
     results["mask-on-one-rank"] = _attempt(different(mask_on_one_rank))
     results["different-token-ids"] = _attempt(different(token_ids))
 
+    def submodule_called_directly():  # what a library that skips the patched forward would do
+        model = seqpar_hf.patch_model(build_model("llama"), layout)
+        hidden = torch.randn(2, 6, model.config.hidden_size)
+        model.model.layers[0](hidden, position_embeddings=model.model.rotary_emb(hidden, torch.arange(6)[None]))
+    results["submodule-called-directly"] = _attempt(submodule_called_directly)
+
     def custom_attention():
         model = build_model("marian")
         model.config._attn_implementation = "my_kernel"
@@ -82,6 +88,7 @@ EXPECTED = {
     "mask-on-one-rank": "attention_mask given on ranks \\[0\\] only",
     "different-token-ids": "input_ids values differ",
     "unsupported-attention": "attn_implementation='my_kernel'",
+    "submodule-called-directly": "outside a sharded forward of the patched model.*sp_disabled",
     "no-process-group": "no process group is initialised",
 }
 

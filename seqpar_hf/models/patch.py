@@ -51,7 +51,6 @@ from .rng import LayerDropSync, per_rank_stream
 ATTN_NAME = "seqpar_hf"
 _STATE = "_seqpar_state"  # on the patched model, its transformers model and its backbone
 _SITE = "_seqpar_site"  # on each patched attention module
-_MISSING = object()
 _INCREMENTAL = ("cache", "past_key_values", "encoder_outputs")
 
 
@@ -195,7 +194,7 @@ class PatchState:
         self.plain_depth = 0  # > 0 while running without SP (generation, sp_disabled)
         self.detached = False  # set by unpatch_model: wrappers someone still holds become pass-through
         self.hooks = []
-        self.replaced: list[tuple[object, str, object]] = []  # (object, attribute, previous instance value)
+        self.replaced: list[tuple[object, str, bool, object]] = []  # (object, attribute, had one, previous value)
         self.layerdrop = LayerDropSync(family.layer_stacks)
 
     def __getstate__(self):  # deepcopy: a copy starts with no forward running
@@ -403,7 +402,7 @@ def _state_of(model) -> PatchState | None:
     return None
 
 
-def patch_model(model, layout: ParallelLayout, check_inputs: bool = True):
+def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_loss: bool = True):
     """Make `model` (this instance) sequence-parallel over `layout`'s SP group and return it.
 
     `model` is a causal or encoder-decoder LM (or its backbone, or a PEFT model wrapping one). Every
@@ -414,7 +413,8 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True):
     are the unpatched model's (full sequence). Gradients are complete once a data-parallel wrapper
     (DDP/FSDP/accelerate) averages them over the world. `check_inputs` verifies, with one tiny
     all-gather per forward, that the ranks of the group got the same batch, and raises on every rank
-    otherwise.
+    otherwise. `lm_loss=False` leaves the language model's own forward alone (only the backbone is
+    sharded, its outputs always gathered): for a model whose forward another library has replaced.
     """
     state = _state_of(model)
     if state is not None:
@@ -434,7 +434,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True):
         setattr(site.module, _SITE, AttentionSite(state, site.name, site.q_side, site.kv_side))
     state.hooks = positions.install(state, family, state.pad_id)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))
-    if family.has_lm_head:
+    if family.has_lm_head and lm_loss:
         _replace(state, model, "forward", LMForward(state, model.forward))
         model.accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch (its own attribute name)
     for obj in {id(o): o for o in (model, pretrained)}.values():
@@ -461,13 +461,13 @@ def unpatch_model(model):
     for site in family.attention:
         if hasattr(site.module, _SITE):
             delattr(site.module, _SITE)
-    for obj, name, previous in reversed(state.replaced):
+    for obj, name, had, previous in reversed(state.replaced):
         current = obj.__dict__.get(name)
         if isinstance(current, _Wrapper) and current.state is state:
-            if previous is _MISSING:
-                del obj.__dict__[name]
-            else:
+            if had:
                 setattr(obj, name, previous)
+            else:
+                del obj.__dict__[name]
     if "accepts_loss_kwargs" in model.__dict__:
         del model.__dict__["accepts_loss_kwargs"]
     state.detached = True
@@ -521,7 +521,7 @@ def model_kind(model) -> str:
 
 
 def _replace(state: PatchState, obj, name: str, value) -> None:
-    state.replaced.append((obj, name, obj.__dict__.get(name, _MISSING)))
+    state.replaced.append((obj, name, name in obj.__dict__, obj.__dict__.get(name)))
     setattr(obj, name, value)
 
 

@@ -124,6 +124,10 @@ class SequenceParallelMixin:
         # this trainer's accelerator only
         self.accelerator.prepare_data_loader = functools.partial(prepare_replica_data_loader, self.accelerator,
                                                                  self.layout)
+        # metrics gathered by the Trainer and by subclasses (TRL) count each replica once
+        original = self.accelerator.gather_for_metrics
+        self.accelerator.gather_for_metrics = functools.partial(self._gather_for_metrics, original)
+        self.gather_function = self.accelerator.gather_for_metrics
 
     @contextlib.contextmanager
     def _eval_collator(self):
@@ -163,6 +167,15 @@ class SequenceParallelMixin:
         self._eval_step_count += 1
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
 
+    def _gather_for_metrics(self, original, input_data, use_gather_object=False):
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if use_gather_object or self.layout.replica_size == 1:
+            return original(input_data, use_gather_object=use_gather_object)
+        return self._gather_replicas(input_data)
+
     def _gather_replicas(self, data):
         """gather_for_metrics over data-parallel replicas: all-gather over the world, keep one rank per
         replica, then drop the repeated examples of the last batch."""
@@ -183,7 +196,7 @@ class SequenceParallelMixin:
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
-        self.gather_function = self._gather_replicas  # the Trainer resets it at the end of the loop
+        self.gather_function = self.accelerator.gather_for_metrics  # the Trainer resets it after the loop
         self._eval_step_count = 0
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                          metric_key_prefix)
