@@ -45,7 +45,8 @@ def _mask(mask, what: str) -> torch.Tensor | None:
 
 def _plan(layout: ParallelLayout, length: int, causal: bool) -> ShardPlan:
     # causal sequences are balanced across a ring by zigzag order (ShardPlan ignores it without a ring)
-    return ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag=causal)
+    return ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag=causal,
+                           tp_size=layout.sizes.tp_size)
 
 
 def documents_from_positions(position_ids: torch.Tensor, what: str = "position_ids",

@@ -40,7 +40,7 @@ from ..attention.ring import ring_attention
 from ..attention.ulysses import split_heads, ulysses_attention
 from ..parallel.comm import all_gather_cat, gather_sequence as gather_full
 from ..parallel.layout import ParallelLayout
-from . import positions
+from . import positions, tensor_parallel
 from .checks import check_same_batch
 from .context import CONTEXT_KWARG, ForwardContext
 from .families import ModelFamily, inspect_model, unwrap
@@ -264,6 +264,8 @@ class BackboneForward(_Wrapper):
                 check_same_batch(kwargs, family.backbone.training, layout.sp_group, _device(kwargs, family.backbone))
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions is not available under sequence parallelism")
+        if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
+            raise NotImplementedError("output_hidden_states is not available with tensor parallelism")
         return_dict = kwargs.pop("return_dict", None)
         shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
         ctx = shard(layout, kwargs, state.pad_id, local_outputs=slot is not None, keep_ids=state.keep_ids)
@@ -290,10 +292,16 @@ _SEQUENCE_OUTPUTS = ("last_hidden_state", "hidden_states", "decoder_hidden_state
 
 
 def _gather_outputs(out, ctx: ForwardContext, everything: bool):
-    """Sequence-sharded outputs -> the full sequence. Router logits always (a load-balancing loss on top
-    counts every token); hidden states unless the caller takes this rank's shard."""
+    """Sequence-sharded outputs -> the full sequence. Under tensor parallelism, first the whole
+    SP-local sequence on every TP rank (a TP rank holds a slice of it after the last norm). Router
+    logits always (a load-balancing loss on top counts every token); hidden states unless the caller
+    takes this rank's shard."""
     layout = ctx.layout
     group, scale = layout.sp_group, float(layout.sp_size)
+    if layout.sizes.tp_size > 1:
+        for key in ("last_hidden_state", "encoder_last_hidden_state"):
+            if out.get(key) is not None:
+                out[key] = tensor_parallel.gather_tp(out[key], layout.mesh["tp"])
     batch = out[0].shape[0]
     for key in list(out.keys()):
         value = out[key]
@@ -423,8 +431,11 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
         raise ValueError(f"this model is already patched with {state.layout}; call seqpar_hf.unpatch_model(model) "
                          f"before patching it with {layout}")
     family = inspect_model(model)
-    for site in family.attention:  # refuse head counts Ulysses cannot split, before any forward
-        split_heads(site.heads, site.kv_heads, layout.ulysses_size)
+    tp = layout.sizes.tp_size
+    if tp > 1:
+        tensor_parallel.check(family, layout)
+    for site in family.attention:  # refuse head counts Ulysses cannot split (TP's share), before any forward
+        split_heads(site.heads // tp, site.kv_heads // tp, layout.ulysses_size)
     _register()
     pretrained = family.pretrained
     attn_implementation = pretrained.config._attn_implementation
@@ -443,6 +454,8 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     for obj in {id(o): o for o in (model, pretrained, family.backbone)}.values():
         setattr(obj, _STATE, state)
     pretrained.set_attn_implementation(ATTN_NAME)
+    if tp > 1:
+        tensor_parallel.parallelize(family, layout)
     return model
 
 
@@ -453,6 +466,10 @@ def unpatch_model(model):
     state = _state_of(model)
     if state is None:
         return model
+    if state.layout.sizes.tp_size > 1:
+        raise ValueError("a tensor-parallel model cannot be unpatched in place (its weights are sharded over the TP "
+                         "group); save it with seqpar_hf.full_state_dict / the trainer's save_model and load the "
+                         "checkpoint into a fresh model")
     family = state.family
     family.pretrained.set_attn_implementation(state.attn_implementation)
     for handle in state.hooks:

@@ -27,9 +27,11 @@ class ShardPlan:
     zigzag: bool = False
 
     @classmethod
-    def build(cls, length: int, sp_size: int, sp_rank: int, ring_size: int = 1, zigzag: bool = False) -> "ShardPlan":
+    def build(cls, length: int, sp_size: int, sp_rank: int, ring_size: int = 1, zigzag: bool = False,
+              tp_size: int = 1) -> "ShardPlan":
+        """`tp_size`: each shard must also split evenly over the TP group (its norm regions)."""
         zigzag = zigzag and ring_size > 1
-        multiple = 2 * sp_size if zigzag else sp_size
+        multiple = (2 * sp_size if zigzag else sp_size) * tp_size
         padded = max(-(-length // multiple), 1) * multiple
         return cls(length, padded, sp_size, sp_rank, ring_size, zigzag)
 

@@ -1,0 +1,76 @@
+"""Tensor (+ sequence) parallel parity cases run inside spawned gloo processes: the patched model, with
+gradients averaged over the data-parallel x sequence-parallel ranks (what FSDP / DDP over those ranks
+do), against the unpatched model in the same process. Every gradient is compared as a full tensor."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import seqpar_hf
+
+from .models import build_model, make_batch, relative_error
+from .parity import ZERO_GRAD_FLOOR
+
+
+def average_over_replicas(model, layout) -> None:
+    """The data-parallel average: over the ranks holding the same weights (dp x sp), not over TP."""
+    n = layout.dp_size * layout.sp_size
+    for p in model.parameters():
+        if p.grad is None or n == 1:
+            continue
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(local, group=layout.dp_sp_group)
+        local /= n
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(case: dict) -> dict:
+    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
+                                      ring_size=case.get("ring_size"), tp_size=case["tp"])
+    family = case["family"]
+    model = build_model(family, **case.get("model", {}))
+    reference = copy.deepcopy(model)
+    batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
+    seqpar_hf.patch_model(model, layout)
+    result = {"name": case["name"]}
+    if case.get("eval"):
+        model.eval(), reference.eval()
+        inputs = {k: v for k, v in batches[layout.dp_rank].items() if k != "labels"}
+        if family in ("marian", "bart", "mbart", "pegasus", "m2m100"):
+            inputs["decoder_input_ids"] = reference.prepare_decoder_input_ids_from_labels(batches[layout.dp_rank]["labels"])
+        with torch.no_grad():
+            result["logits_err"] = relative_error(model(**inputs).logits, reference(**inputs).logits)
+        return result
+    out = model(**batches[layout.dp_rank])
+    out.loss.backward()
+    average_over_replicas(model, layout)
+    ref_losses = []
+    for batch in batches:
+        loss = reference(**batch).loss
+        (loss / layout.dp_size).backward()
+        ref_losses.append(loss.detach())
+    result["loss_err"] = relative_error(out.loss.detach(), ref_losses[layout.dp_rank])
+    grads = dict(reference.named_parameters())
+    total = torch.sqrt(sum(g.grad.double().norm() ** 2 for g in grads.values() if g.grad is not None)).item()
+    worst, worst_name = 0.0, ""
+    for name, p in model.named_parameters():
+        want = grads[name].grad
+        if want is None:
+            continue
+        err = relative_error(full(p.grad), want, floor=ZERO_GRAD_FLOOR * total)
+        if err > worst:
+            worst, worst_name = err, name
+    result["grad_err"], result["worst"] = worst, worst_name
+    result["dtensor_params"] = sum(isinstance(p, DTensor) for p in model.parameters())
+    return result
+
+
+def run_cases(cases: list[dict]) -> list[dict]:
+    return [run_case(c) for c in cases]
