@@ -76,3 +76,21 @@ def seq2seq_gen_kwargs(trainer) -> dict:
     """`Seq2SeqTrainer._gen_kwargs`: the generation kwargs `evaluate`/`predict` were called with."""
     return dict(getattr(trainer, "_gen_kwargs", None) or {})
 
+
+
+# Trainer internals for checkpoints of DTensor models (tensor parallelism, FSDP2): the Trainer's own
+# paths assume DDP / accelerate's FSDP plugin. Overridden in SequenceParallelMixin; pinned by name and
+# signature in tests/test_compat.py.
+TRAINER_CHECKPOINT_HOOKS = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint",
+                            "_save")
+OPTIMIZER_NAME, SCHEDULER_NAME, SAFE_WEIGHTS_NAME = "optimizer.pt", "scheduler.pt", "model.safetensors"
+
+
+def trainer_save(trainer, output_dir: str, state_dict: dict) -> None:
+    """`Trainer._save(output_dir, state_dict)`: save_pretrained + tokenizer + training args (rank 0)."""
+    trainer._save(output_dir, state_dict=state_dict)
+
+
+def unwrap_optimizer(optimizer):
+    """accelerate's `AcceleratedOptimizer` keeps the torch optimizer in `.optimizer`."""
+    return getattr(optimizer, "optimizer", optimizer)

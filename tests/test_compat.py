@@ -49,6 +49,16 @@ def test_transformers_trainer_hooks_we_override_or_read():
     assert "self._gen_kwargs = " in inspect.getsource(Seq2SeqTrainer.evaluate)
     for name in ("loss_is_scaled_for_ga", "model_accepts_loss_kwargs"):  # documented attributes we set
         assert name in inspect.getsource(Trainer)
+    signatures = {"_save_optimizer_and_scheduler": ["self", "output_dir"],
+                  "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+                  "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+                  "_save": ["self", "output_dir", "state_dict"]}
+    assert set(signatures) == set(_compat.TRAINER_CHECKPOINT_HOOKS)
+    for name, params in signatures.items():
+        assert list(inspect.signature(getattr(Trainer, name)).parameters) == params, name
+    import transformers.trainer as trainer_module
+    for name in ("OPTIMIZER_NAME", "SCHEDULER_NAME", "SAFE_WEIGHTS_NAME"):
+        assert getattr(trainer_module, name) == getattr(_compat, name), name
 
 
 @pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True), (True, True)])

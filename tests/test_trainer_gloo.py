@@ -12,9 +12,10 @@ from .trainer_runs import run_many
 TOL = 1e-5  # relative, per logged value
 KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
 
-# (world, sp, per-device batch, accumulation, per-device eval batch): the same global batch of 8
+# (world, sp, per-device batch, accumulation, per-device eval batch, tp): the same global batch of 8
 # everywhere, for training and evaluation (13 eval examples: the last global batch is partial).
-SETUPS = {"sp2": (2, 2, 8, 1, 8), "sp2-ga2": (2, 2, 4, 2, 8), "sp2xdp2": (4, 2, 4, 1, 4)}
+SETUPS = {"sp2": (2, 2, 8, 1, 8, 1), "sp2-ga2": (2, 2, 4, 2, 8, 1), "sp2xdp2": (4, 2, 4, 1, 4, 1),
+          "tp2": (2, 1, 8, 1, 8, 2), "tp2xsp2": (4, 2, 8, 1, 8, 2)}
 
 
 SMOOTHING = (0.0, 0.1)
@@ -32,9 +33,9 @@ def runs():
 
     def get(setup):
         if setup not in cache:
-            world, sp, batch, accumulation, eval_batch = SETUPS[setup]
-            configs = [dict(sp=sp, batch=batch, accumulation=accumulation, label_smoothing=ls, eval_batch=eval_batch)
-                       for ls in SMOOTHING]
+            world, sp, batch, accumulation, eval_batch, tp = SETUPS[setup]
+            configs = [dict(sp=sp, batch=batch, accumulation=accumulation, label_smoothing=ls, eval_batch=eval_batch,
+                            tp=tp) for ls in SMOOTHING]
             cache[setup] = dict(zip(SMOOTHING, spawn(run_many, world, configs)[0]))
         return cache[setup]
     return get
@@ -95,11 +96,12 @@ def test_eval_steps_per_second_counts_sp_group_steps(checks):
     assert abs(checks[False]["steps"] - 3) < 0.05
 
 
-def test_resume_continues_the_same_curve_and_checkpoint_is_plain(tmp_path):
+@pytest.mark.parametrize("sp,tp", [(2, 1), (1, 2)], ids=["sp2", "tp2"])
+def test_resume_continues_the_same_curve_and_checkpoint_is_plain(tmp_path, sp, tp):
     from .trainer_runs import plain_eval, resume_run
 
     out = str(tmp_path / "run")
-    logs = spawn(resume_run, 2, out)[0]
+    logs = spawn(resume_run, 2, out, sp, tp)[0]
     full = {(l["step"], k): l[k] for l in logs["full"] for k in KEYS if k in l}
     resumed = {(l["step"], k): l[k] for l in logs["resumed"] for k in KEYS if k in l}
     after = {key: value for key, value in full.items() if key[0] > 3}

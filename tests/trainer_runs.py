@@ -49,7 +49,7 @@ class Recorder(TrainerCallback):
 
 def make_trainer(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoothing: float = 0.0, steps: int = 6,
                  mode: str = "ulysses", extra: dict | None = None, eval_batch: int | None = None,
-                 output_dir: str | None = None, train_size: int = 48, eval_size: int = 13):
+                 output_dir: str | None = None, train_size: int = 48, eval_size: int = 13, tp: int = 1):
     """A tiny Marian and its trainer: `steps` steps, evaluating every 3, logging every step.
 
     sp=0: the plain transformers Seq2SeqTrainer (the reference, one process). Otherwise
@@ -69,7 +69,7 @@ def make_trainer(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoot
     if sp == 0:
         trainer = Seq2SeqTrainer(args=Seq2SeqTrainingArguments(**common), **kwargs)
     else:
-        args = seqpar_hf.SequenceParallelArguments(sp_size=sp, sp_mode=mode, **common)
+        args = seqpar_hf.SequenceParallelArguments(sp_size=sp, sp_mode=mode, tp_size=tp, **common)
         trainer = seqpar_hf.SequenceParallelTrainer(args=args, **kwargs)
     return trainer, recorder
 
@@ -132,11 +132,11 @@ def data_and_prediction_checks(drop_last: bool) -> dict:
     return result
 
 
-def resume_run(output_dir: str) -> dict:
-    """sp=2: 6 steps saving at step 3; then a fresh trainer resumes from checkpoint-3."""
+def resume_run(output_dir: str, sp: int = 2, tp: int = 1) -> dict:
+    """6 steps saving at step 3; then a fresh trainer resumes from checkpoint-3."""
     extra = dict(save_strategy="steps", save_steps=3)
-    full = run(sp=2, steps=6, output_dir=output_dir, extra=extra)
-    resumed = run(sp=2, steps=6, output_dir=output_dir + "-resumed", extra=extra,
+    full = run(sp=sp, tp=tp, steps=6, output_dir=output_dir, extra=extra)
+    resumed = run(sp=sp, tp=tp, steps=6, output_dir=output_dir + "-resumed", extra=extra,
                   resume=os.path.join(output_dir, "checkpoint-3"))
     return {"full": full, "resumed": resumed}
 

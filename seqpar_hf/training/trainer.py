@@ -28,6 +28,7 @@ from transformers.trainer_utils import has_length
 
 from .. import _compat
 from ..models.loss import IGNORE_INDEX
+from . import checkpoint
 from ..models.patch import gather_logits, is_patched, model_kind, patch_model
 from ..parallel.comm import group_size
 from ..parallel.layout import MODES, ParallelLayout, validate_sizes
@@ -128,6 +129,65 @@ class SequenceParallelMixin:
         original = self.accelerator.gather_for_metrics
         self.accelerator.gather_for_metrics = functools.partial(self._gather_for_metrics, original)
         self.gather_function = self.accelerator.gather_for_metrics
+        # a model with DTensor parameters (tensor parallelism) cannot go into DDP: the gradients are
+        # averaged over the replicas here instead (training_step)
+        prepare_model = self.accelerator.prepare_model
+        self.accelerator.prepare_model = functools.partial(self._prepare_model, prepare_model)
+
+    def _prepare_model(self, original, model, device_placement=None, evaluation_mode=False):
+        if checkpoint.is_sharded(model):
+            evaluation_mode = True  # accelerate's own words for "no DDP wrapper"
+        return original(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients and checkpoint.is_sharded(model):
+            self._average_gradients(model)
+        return loss
+
+    def _average_gradients(self, model):
+        """What DDP does, for a tensor-parallel model: average each gradient (a DTensor's local shard)
+        over the ranks that hold the same weights (dp x sp), once per optimizer step."""
+        n = self.layout.dp_size * self.layout.sp_size
+        if n == 1:
+            return
+        for p in model.parameters():
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(local, group=self.layout.dp_sp_group)
+                local.div_(n)
+
+    # ---- checkpoints of DTensor models: plain, full ones --------------------------------------------
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if not checkpoint.is_sharded(self.model):
+            return super().save_model(output_dir, _internal_call)
+        state_dict = checkpoint.full_model_state_dict(self.model)  # collective: every rank
+        _compat.trainer_save(self, output_dir or self.args.output_dir, state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir):  # private Trainer hook, pinned in test_compat
+        if not checkpoint.is_sharded(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        state = checkpoint.full_optimizer_state_dict(self.model, _compat.unwrap_optimizer(self.optimizer))
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, _compat.OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _compat.SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):  # private Trainer hook, pinned in test_compat
+        if checkpoint_dir is None or not checkpoint.is_sharded(self.model):
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        state = torch.load(os.path.join(checkpoint_dir, _compat.OPTIMIZER_NAME), weights_only=True)
+        checkpoint.load_full_optimizer_state_dict(self.model, _compat.unwrap_optimizer(self.optimizer), state)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint_dir, _compat.SCHEDULER_NAME),
+                                                     weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):  # private Trainer hook, pinned
+        model = model if model is not None else self.model
+        if not checkpoint.is_sharded(model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from safetensors.torch import load_file
+        state_dict = load_file(os.path.join(resume_from_checkpoint, _compat.SAFE_WEIGHTS_NAME))
+        checkpoint.load_full_model_state_dict(self.accelerator.unwrap_model(model), state_dict)
 
     @contextlib.contextmanager
     def _eval_collator(self):
