@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 
 from .models import rope
-from .parity import run_cases
-from .spawn import spawn
 
 # fp32: loss, every parameter gradient and gathered logits within 1e-5 relative error.
 TOL = 1e-5
@@ -115,15 +113,14 @@ CASES = {2: _cases_world2(), 4: _cases_world4()}
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(parity_world):
     cache = {}
 
     def get(world):
         if world not in cache:
-            per_rank = spawn(run_cases, world, CASES[world])
             cache[world] = {}
-            for rank_results in per_rank:
-                for r in rank_results:
+            for rank_results in parity_world(world):
+                for r in rank_results["cases"]:
                     cache[world].setdefault(r["name"], []).append(r)
         return cache[world]
     return get

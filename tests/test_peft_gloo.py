@@ -13,7 +13,6 @@ import torch.distributed as dist
 import seqpar_hf
 
 from .models import build_model, make_batch, relative_error
-from .spawn import spawn
 
 pytest.importorskip("peft")
 
@@ -139,8 +138,8 @@ def _all():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_all, 2)
+def results(trl_world2):
+    return [r["peft"] for r in trl_world2]
 
 
 @pytest.mark.parametrize("order", ["patch-the-peft-model", "patch-its-base-model", "patch-then-get-peft-model"])

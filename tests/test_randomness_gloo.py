@@ -10,7 +10,6 @@ import seqpar_hf
 from seqpar_hf.models.rng import per_rank_stream
 
 from .models import build_model, make_batch
-from .spawn import spawn
 
 
 def _gather(x):
@@ -32,8 +31,8 @@ def _all():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_all, 2)[0]  # one spawn for the whole module
+def results(misc_world2):
+    return misc_world2[0]["randomness"]
 
 
 def test_per_rank_stream_differs_inside_and_agrees_after(results):

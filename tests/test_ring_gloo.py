@@ -12,7 +12,6 @@ from seqpar_hf.attention.ring import RingPlan, ring_attention
 from seqpar_hf.parallel.comm import all_gather_cat
 from seqpar_hf.parallel.sharding import ShardPlan
 
-from .spawn import spawn
 
 
 def _ring_on_shards(q, k, v, key_mask, causal, layout):
@@ -84,8 +83,8 @@ def _all():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_all, 4)[0]
+def results(parity_world):
+    return parity_world(4)[0]["ring"]
 
 
 def test_bf16_ring_error_at_most_twice_plain_bf16(results):

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import seqpar_hf
 
 from .models import build_model, make_batch
-from .spawn import spawn
 
 
 def _attempt(fn):
@@ -76,8 +75,8 @@ def _bad_inputs():
 
 
 @pytest.fixture(scope="module")
-def bad():
-    return spawn(_bad_inputs, 2)
+def bad(misc_world2):
+    return [r["bad"] for r in misc_world2]
 
 
 EXPECTED = {
@@ -137,8 +136,8 @@ def _odd_inputs():
 
 
 @pytest.fixture(scope="module")
-def odd():
-    return spawn(_odd_inputs, 2)
+def odd(misc_world2):
+    return [r["odd"] for r in misc_world2]
 
 
 @pytest.mark.parametrize("case,tol", [("batch-size-1", 1e-5), ("shorter-than-sp", 1e-5), ("shard-all-padding", 1e-5),

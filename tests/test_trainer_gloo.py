@@ -12,32 +12,39 @@ from .trainer_runs import run_many
 TOL = 1e-5  # relative, per logged value
 KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
 
-# (world, sp, per-device batch, accumulation, per-device eval batch, tp): the same global batch of 8
-# everywhere, for training and evaluation (13 eval examples: the last global batch is partial).
-SETUPS = {"sp2": (2, 2, 8, 1, 8, 1), "sp2-ga2": (2, 2, 4, 2, 8, 1), "sp2xdp2": (4, 2, 4, 1, 4, 1),
-          "tp2": (2, 1, 8, 1, 8, 2), "tp2xsp2": (4, 2, 8, 1, 8, 2)}
+# name -> (world, run config): the same global batch of 8 everywhere, for training and evaluation
+# (13 eval examples: the last global batch is partial). Label smoothing is checked once (sp2-ls).
+SETUPS = {"sp2": (2, dict(sp=2, batch=8)), "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
+          "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)), "tp2": (2, dict(sp=1, tp=2, batch=8)),
+          "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)), "tp2xsp2": (4, dict(sp=2, tp=2, batch=8))}
 
 
-SMOOTHING = (0.0, 0.1)
+def _world(world: int, resume_dir: str | None):
+    """Everything a world size checks, in one process group (process start-up is the slow part)."""
+    from .trainer_runs import data_and_prediction_checks, resume_run, run
+    out = {name: run(**config) for name, (w, config) in SETUPS.items() if w == world}
+    if world == 2:
+        out["resume"] = {f"sp{sp}-tp{tp}": resume_run(f"{resume_dir}/sp{sp}-tp{tp}", sp, tp)
+                         for sp, tp in ((2, 1), (1, 2))}
+    if world == 4:
+        out["checks"] = {drop: data_and_prediction_checks(drop) for drop in (False, True)}
+    return out
 
 
 @pytest.fixture(scope="module")
 def reference():
-    logs = spawn(run_many, 1, [dict(sp=0, batch=8, label_smoothing=ls) for ls in SMOOTHING])[0]
-    return dict(zip(SMOOTHING, logs))
+    logs = spawn(run_many, 1, [dict(sp=0, batch=8, label_smoothing=ls) for ls in (0.0, 0.1)])[0]
+    return dict(zip((0.0, 0.1), logs))
 
 
 @pytest.fixture(scope="module")
-def runs():
+def worlds(tmp_path_factory):
     cache = {}
 
-    def get(setup):
-        if setup not in cache:
-            world, sp, batch, accumulation, eval_batch, tp = SETUPS[setup]
-            configs = [dict(sp=sp, batch=batch, accumulation=accumulation, label_smoothing=ls, eval_batch=eval_batch,
-                            tp=tp) for ls in SMOOTHING]
-            cache[setup] = dict(zip(SMOOTHING, spawn(run_many, world, configs)[0]))
-        return cache[setup]
+    def get(world):
+        if world not in cache:
+            cache[world] = spawn(_world, world, world, str(tmp_path_factory.mktemp("resume")), timeout=480)[0]
+        return cache[world]
     return get
 
 
@@ -45,24 +52,19 @@ def _values(logs):
     return [(log["step"], key, log[key]) for log in logs for key in KEYS if key in log]
 
 
-@pytest.mark.parametrize("label_smoothing", SMOOTHING)
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_trainer_logs_equal_one_process(reference, runs, setup, label_smoothing):
-    logs = runs(setup)[label_smoothing]
-    expected, actual = _values(reference[label_smoothing]), _values(logs)
+def test_trainer_logs_equal_one_process(reference, worlds, setup):
+    world, config = SETUPS[setup]
+    logs = worlds(world)[setup]
+    expected, actual = _values(reference[config.get("label_smoothing", 0.0)]), _values(logs)
     assert [(s, k) for s, k, _ in actual] == [(s, k) for s, k, _ in expected]
     for (step, key, want), (_, _, got) in zip(expected, actual):
         assert abs(got - want) <= TOL * abs(want), (step, key, want, got)
 
 
 @pytest.fixture(scope="module")
-def checks():
-    return spawn(run_many_checks, 4)[0]
-
-
-def run_many_checks():
-    from .trainer_runs import data_and_prediction_checks
-    return {drop: data_and_prediction_checks(drop) for drop in (False, True)}
+def checks(worlds):
+    return worlds(4)["checks"]
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -96,16 +98,21 @@ def test_eval_steps_per_second_counts_sp_group_steps(checks):
     assert abs(checks[False]["steps"] - 3) < 0.05
 
 
-@pytest.mark.parametrize("sp,tp", [(2, 1), (1, 2)], ids=["sp2", "tp2"])
-def test_resume_continues_the_same_curve_and_checkpoint_is_plain(tmp_path, sp, tp):
-    from .trainer_runs import plain_eval, resume_run
+@pytest.fixture(scope="module")
+def plain_evals(worlds):
+    """The final checkpoints, evaluated by plain transformers in one process (one spawn for both)."""
+    from .trainer_runs import plain_eval_many
 
-    out = str(tmp_path / "run")
-    logs = spawn(resume_run, 2, out, sp, tp)[0]
+    layouts = list(worlds(2)["resume"])
+    return dict(zip(layouts, spawn(plain_eval_many, 1, [worlds(2)["resume"][k]["checkpoint"] for k in layouts])[0]))
+
+
+@pytest.mark.parametrize("layout", ["sp2-tp1", "sp1-tp2"])
+def test_resume_continues_the_same_curve_and_checkpoint_is_plain(worlds, plain_evals, layout):
+    logs = worlds(2)["resume"][layout]
     full = {(l["step"], k): l[k] for l in logs["full"] for k in KEYS if k in l}
     resumed = {(l["step"], k): l[k] for l in logs["resumed"] for k in KEYS if k in l}
     after = {key: value for key, value in full.items() if key[0] > 3}
     assert after and all(abs(resumed[key] - value) <= TOL * abs(value) for key, value in after.items())
     final_eval = full[(6, "eval_loss")]
-    plain = spawn(plain_eval, 1, f"{out}/checkpoint-6")[0]
-    assert abs(plain - final_eval) <= TOL * abs(final_eval)
+    assert abs(plain_evals[layout] - final_eval) <= TOL * abs(final_eval)

@@ -24,7 +24,6 @@ KEYS = ("loss", "grad_norm", "eval_loss", "mean_token_accuracy", "entropy", "num
 CASES = {
     "sft": (dict(), dict()),
     "sft-peft": (dict(peft=True), dict(peft=True)),
-    "sft-checkpointing": (dict(checkpointing=True), dict(checkpointing=True)),
     "sft-accumulation": (dict(batch=2, accumulation=2), dict(batch=2, accumulation=2)),
     "sft-packing": (dict(packing=True), dict(packing=True)),
     "sft-peft-packing-checkpointing": (dict(peft=True, packing=True, checkpointing=True),
@@ -36,10 +35,16 @@ CASES = {
 }
 
 
+def _world2(configs):
+    """The TRL runs and the PEFT checks share one 2-process group (starting processes is the slow part)."""
+    from .test_peft_gloo import _all as peft_checks
+    return {"peft": peft_checks(), "trl": run_many(configs)}
+
+
 @pytest.fixture(scope="module")
-def logs():
+def logs(trl_world2):
     names = list(CASES)
-    ours = spawn(run_many, 2, [dict(sp=2, **CASES[n][0]) for n in names], timeout=600)[0]
+    ours = trl_world2[0]["trl"]
     unique_refs = {repr(sorted(CASES[n][1].items())): CASES[n][1] for n in names}
     refs = dict(zip(unique_refs, spawn(run_many, 1, [dict(sp=0, **c) for c in unique_refs.values()], timeout=600)[0]))
     return {n: (o, refs[repr(sorted(CASES[n][1].items()))]) for n, o in zip(names, ours)}

@@ -138,7 +138,7 @@ def resume_run(output_dir: str, sp: int = 2, tp: int = 1) -> dict:
     full = run(sp=sp, tp=tp, steps=6, output_dir=output_dir, extra=extra)
     resumed = run(sp=sp, tp=tp, steps=6, output_dir=output_dir + "-resumed", extra=extra,
                   resume=os.path.join(output_dir, "checkpoint-3"))
-    return {"full": full, "resumed": resumed}
+    return {"full": full, "resumed": resumed, "checkpoint": os.path.join(output_dir, "checkpoint-6")}
 
 
 def plain_eval(checkpoint: str) -> float:
@@ -150,3 +150,7 @@ def plain_eval(checkpoint: str) -> float:
                                     use_cpu=True, disable_tqdm=True)
     trainer = Seq2SeqTrainer(model=model, args=args, data_collator=collate)
     return trainer.evaluate(synthetic_dataset(13, seed=2))["eval_loss"]
+
+
+def plain_eval_many(checkpoints: list[str]) -> list[float]:
+    return [plain_eval(c) for c in checkpoints]
