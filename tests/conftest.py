@@ -56,3 +56,18 @@ def trl_world2():
     from .spawn import spawn
     from .test_trl_gloo import CASES, _world2
     return spawn(_world2, 2, [dict(sp=2, **CASES[n][0]) for n in CASES], timeout=600)
+
+
+@pytest.fixture(scope="session")
+def trainer_worlds(tmp_path_factory):
+    """Trainer runs per world size in one process group each (tests/test_trainer_gloo.py; at world 4
+    also the FSDP2 plain loops of tests/test_fsdp_gloo.py)."""
+    from .spawn import spawn
+    from .test_trainer_gloo import _world
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = spawn(_world, world, world, str(tmp_path_factory.mktemp("resume")), timeout=540)[0]
+        return cache[world]
+    return get

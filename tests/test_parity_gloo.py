@@ -79,7 +79,20 @@ def _cases_world2():
             dict(base, name=f"{tag}-llama-eval", family="llama", eval=True),
         ]
         cases += _coverage_cases(base, tag)
+        cases += _tiled_cases(base, tag)
     return cases
+
+
+def _tiled_cases(base: dict, tag: str) -> list[dict]:
+    """The tiled loss (forced on, 5 tokens per chunk): bias after the head (Marian, BART), soft-capping
+    (Gemma 2), tied head (Llama), recompute under gradient checkpointing with two forwards."""
+    tiled = dict(base, patch=dict(tiled_loss=True), chunk_elements=97 * 5)
+    return [dict(tiled, name=f"{tag}-tiled-marian", family="marian"),
+            dict(tiled, name=f"{tag}-tiled-bart", family="bart"),
+            dict(tiled, name=f"{tag}-tiled-llama", family="llama"),
+            dict(tiled, name=f"{tag}-tiled-gemma2-softcap", **_family_case("gemma2")),
+            dict(tiled, name=f"{tag}-tiled-llama-checkpointing-two-forwards", family="llama", checkpointing=True,
+                 second_batch=dict(length=7))]
 
 
 def _cases_world4():
@@ -105,6 +118,8 @@ def _cases_world4():
                            checkpointing=True, second_batch=dict(length=7))]
         if mode != "hybrid":
             cases += [dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
+                      dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-tiled-marian", family="marian",
+                           patch=dict(tiled_loss=True), chunk_elements=97 * 3),
                       dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama")]
     return cases
 

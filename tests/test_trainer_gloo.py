@@ -16,7 +16,10 @@ KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
 # (13 eval examples: the last global batch is partial). Label smoothing is checked once (sp2-ls).
 SETUPS = {"sp2": (2, dict(sp=2, batch=8)), "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
           "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)), "tp2": (2, dict(sp=1, tp=2, batch=8)),
-          "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)), "tp2xsp2": (4, dict(sp=2, tp=2, batch=8))}
+          "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)), "tp2xsp2": (4, dict(sp=2, tp=2, batch=8)),
+          "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
+          "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard")))}
+RESUME = {"sp2-tp1": dict(sp=2, tp=1), "sp1-tp2": dict(sp=1, tp=2), "sp2-fsdp": dict(sp=2, tp=1, fsdp=True)}
 
 
 def _world(world: int, resume_dir: str | None):
@@ -24,10 +27,13 @@ def _world(world: int, resume_dir: str | None):
     from .trainer_runs import data_and_prediction_checks, resume_run, run
     out = {name: run(**config) for name, (w, config) in SETUPS.items() if w == world}
     if world == 2:
-        out["resume"] = {f"sp{sp}-tp{tp}": resume_run(f"{resume_dir}/sp{sp}-tp{tp}", sp, tp)
-                         for sp, tp in ((2, 1), (1, 2))}
+        out["resume"] = {name: resume_run(f"{resume_dir}/{name}", **config) for name, config in RESUME.items()}
     if world == 4:
+        from .fsdp_runs import run_loops
+        from .test_fsdp_gloo import LOOPS
         out["checks"] = {drop: data_and_prediction_checks(drop) for drop in (False, True)}
+        out["checks"]["fsdp"] = data_and_prediction_checks(False, fsdp=True)
+        out["loops"] = run_loops(LOOPS)
     return out
 
 
@@ -38,14 +44,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = spawn(_world, world, world, str(tmp_path_factory.mktemp("resume")), timeout=480)[0]
-        return cache[world]
-    return get
+def worlds(trainer_worlds):
+    return trainer_worlds
 
 
 def _values(logs):
@@ -85,8 +85,9 @@ def test_sp_group_reads_the_same_batches_and_dp_groups_split_the_data(checks, dr
         assert len(seen) == -(-len(train) // global_batch) * global_batch
 
 
-def test_predict_returns_each_example_once_and_equal_to_one_process(checks):
-    r = checks[False]
+@pytest.mark.parametrize("variant", [False, "fsdp"])
+def test_predict_returns_each_example_once_and_equal_to_one_process(checks, variant):
+    r = checks[variant]  # "fsdp": parameters sharded over the 4 ranks, generation on gathered weights
     assert r["n_predictions"] == r["n_labels"] == 13  # not sp copies
     assert r["logits_err"] < 1e-5
     assert r["n_generated"] == 13 and r["generation_mismatches"] == 0
@@ -107,7 +108,7 @@ def plain_evals(worlds):
     return dict(zip(layouts, spawn(plain_eval_many, 1, [worlds(2)["resume"][k]["checkpoint"] for k in layouts])[0]))
 
 
-@pytest.mark.parametrize("layout", ["sp2-tp1", "sp1-tp2"])
+@pytest.mark.parametrize("layout", list(RESUME))
 def test_resume_continues_the_same_curve_and_checkpoint_is_plain(worlds, plain_evals, layout):
     logs = worlds(2)["resume"][layout]
     full = {(l["step"], k): l[k] for l in logs["full"] for k in KEYS if k in l}

@@ -55,6 +55,10 @@ def make_trainer(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoot
     sp=0: the plain transformers Seq2SeqTrainer (the reference, one process). Otherwise
     SequenceParallelTrainer with `batch` per device and `accumulation` steps.
     """
+    if not (extra or {}).get("fsdp"):
+        # accelerate's Accelerator leaves ACCELERATE_USE_FSDP=true behind after an FSDP run; a later
+        # trainer in this process would read it as a request for FSDP
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
     model = build_model("marian", heads=4)
     train, evaluation = synthetic_dataset(train_size, seed=1), synthetic_dataset(eval_size, seed=2)
     common = dict(output_dir=output_dir or tempfile.mkdtemp(), per_device_train_batch_size=batch,
@@ -90,13 +94,15 @@ def _row_id(row: torch.Tensor) -> tuple:
     return tuple(t for t in row.tolist() if t != 0)  # the example's source tokens (random, so unique)
 
 
-def data_and_prediction_checks(drop_last: bool) -> dict:
-    """sp=2 x dp=2: one epoch of training batches; predict() with logits and with generation."""
+def data_and_prediction_checks(drop_last: bool, fsdp: bool = False) -> dict:
+    """sp=2 x dp=2: one epoch of training batches; predict() with logits and with generation
+    (with `fsdp`, on a model sharded over the 4 ranks)."""
     import torch.distributed as dist
 
     # group_by_length: batches of similar length for training; evaluation must keep the dataset order
     trainer, _ = make_trainer(sp=2, batch=3, eval_batch=3, train_size=22, eval_size=13,
-                              extra=dict(dataloader_drop_last=drop_last, train_sampling_strategy="group_by_length"))
+                              extra=dict(dataloader_drop_last=drop_last, train_sampling_strategy="group_by_length",
+                                         **({"fsdp": "full_shard"} if fsdp else {})))
     layout = trainer.layout
     epoch = [[_row_id(r) for r in batch["input_ids"]] for batch in trainer.get_train_dataloader()]
     epochs = [None] * layout.world_size
@@ -132,9 +138,9 @@ def data_and_prediction_checks(drop_last: bool) -> dict:
     return result
 
 
-def resume_run(output_dir: str, sp: int = 2, tp: int = 1) -> dict:
+def resume_run(output_dir: str, sp: int = 2, tp: int = 1, fsdp: bool = False) -> dict:
     """6 steps saving at step 3; then a fresh trainer resumes from checkpoint-3."""
-    extra = dict(save_strategy="steps", save_steps=3)
+    extra = dict(save_strategy="steps", save_steps=3, **({"fsdp": "full_shard"} if fsdp else {}))
     full = run(sp=sp, tp=tp, steps=6, output_dir=output_dir, extra=extra)
     resumed = run(sp=sp, tp=tp, steps=6, output_dir=output_dir + "-resumed", extra=extra,
                   resume=os.path.join(output_dir, "checkpoint-3"))

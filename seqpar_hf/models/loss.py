@@ -3,17 +3,32 @@
 The unpatched model's loss is sum(token losses) / (number of labelled tokens) over the full batch;
 each rank holds some of the tokens, so both sums are reduced over the SP group. The result is the
 same number on every rank of the group.
+
+Tiled: at long lengths the logits dominate memory (a [tokens, vocab] fp32 tensor is 16 GB at 32K
+tokens for a 128K vocabulary, and cross-entropy saves its log-softmax of the same size). The tiled
+loss takes the LM head's input instead, keeps only the labelled tokens, and runs head + cross-entropy
+over chunks of them under activation checkpointing: no [tokens, vocab] tensor is ever held, only one
+chunk's, and backward recomputes each chunk's logits.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..parallel.comm import group_size, group_sum
 
 IGNORE_INDEX = -100
+
+# Tiling is on (training, "auto") when this rank's logits would hold at least this many elements
+# (2^26: 256 MiB in fp32, before cross-entropy's fp32 log-softmax and the gradient of the same size).
+TILED_LOSS_MIN_ELEMENTS = 1 << 26
+# Logit elements per chunk (2^24: 64 MiB in fp32): large enough that the head's matmul stays efficient.
+TILED_LOSS_CHUNK_ELEMENTS = 1 << 24
 
 
 def label_count(labels: torch.Tensor, group) -> torch.Tensor:
@@ -24,22 +39,55 @@ def label_count(labels: torch.Tensor, group) -> torch.Tensor:
     return count
 
 
-def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group, grad_scale: float,
-                           num_items_in_batch: int | torch.Tensor | None = None,
-                           label_smoothing: float = 0.0) -> torch.Tensor:
-    """logits [b, s_loc, V] and labels [b, s_loc] (this rank's shard, already aligned: labels[t] is
-    the target of logits[t]) -> the group's mean loss.
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Sum of this rank's token losses (logits [..., V], labels [...], -100 ignored), in fp32.
+    `label_smoothing` matches transformers' LabelSmoother: (1 - eps) * nll + eps * mean over the
+    vocabulary of -log p."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten().to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
+
+
+def tiled_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                         vocab_size: int, label_smoothing: float = 0.0,
+                         chunk_elements: int | None = None) -> torch.Tensor:
+    """`token_loss_sum(head(hidden), labels)` without the [tokens, vocab] logits: hidden [..., d] is the
+    LM head's input, `head` maps [n, d] -> [n, V] logits (the model's head and what follows it)."""
+    hidden = hidden.flatten(0, -2)
+    keep = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
+    hidden, targets = hidden.index_select(0, keep), labels.flatten().to(hidden.device).index_select(0, keep)
+    chunk = max(1, (chunk_elements or TILED_LOSS_CHUNK_ELEMENTS) // vocab_size)
+    total = None
+    # at least one (maybe empty) chunk: the head's weights join the graph even with no labelled token
+    for start in range(0, max(1, hidden.shape[0]), chunk):
+        piece = checkpoint(_chunk_loss, hidden[start:start + chunk], targets[start:start + chunk], head,
+                           label_smoothing, use_reentrant=False)
+        total = piece if total is None else total + piece
+    return total
+
+
+def _chunk_loss(hidden, targets, head, label_smoothing):
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum", label_smoothing=label_smoothing)
+
+
+def group_mean_loss(token_sum: torch.Tensor, labels: torch.Tensor, group, grad_scale: float,
+                    num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The group's mean loss from this rank's sum of token losses and its shard of the labels.
 
     `num_items_in_batch` replaces the label count as denominator (gradient accumulation and data
-    parallelism count tokens over several batches). `label_smoothing` matches transformers'
-    LabelSmoother: (1 - eps) * nll + eps * mean over the vocabulary of -log p.
-    `grad_scale` (= sp_size) makes world-averaging wrappers such as DDP sum over the SP group.
-    """
-    token_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device),
-                                ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
+    parallelism count tokens over several batches). `grad_scale` (= sp_size) makes world-averaging
+    wrappers such as DDP sum over the SP group."""
     total = group_sum(token_sum, group, grad_scale)
     if num_items_in_batch is None:
         denominator = label_count(labels, group)
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=total.device)
     return total / denominator.to(total.dtype)
+
+
+def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group, grad_scale: float,
+                           num_items_in_batch: int | torch.Tensor | None = None,
+                           label_smoothing: float = 0.0) -> torch.Tensor:
+    """logits [b, s_loc, V] and labels [b, s_loc] (this rank's shard, already aligned: labels[t] is
+    the target of logits[t]) -> the group's mean loss."""
+    return group_mean_loss(token_loss_sum(logits, labels, label_smoothing), labels, group, grad_scale,
+                           num_items_in_batch)

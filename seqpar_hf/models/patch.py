@@ -45,7 +45,8 @@ from .checks import check_same_batch
 from .context import CONTEXT_KWARG, ForwardContext
 from .families import ModelFamily, inspect_model, unwrap
 from .inputs import shard_causal, shard_seq2seq
-from .loss import IGNORE_INDEX, sequence_parallel_loss
+from .loss import (IGNORE_INDEX, TILED_LOSS_MIN_ELEMENTS, group_mean_loss, tiled_token_loss_sum,
+                   token_loss_sum)
 from .rng import LayerDropSync, per_rank_stream
 
 ATTN_NAME = "seqpar_hf"
@@ -182,9 +183,10 @@ class _Slot:
 
 
 class PatchState:
-    def __init__(self, layout: ParallelLayout, family: ModelFamily, attn_implementation: str, check_inputs: bool):
+    def __init__(self, layout: ParallelLayout, family: ModelFamily, attn_implementation: str, check_inputs: bool,
+                 tiled_loss: bool | str = "auto"):
         self.layout, self.family, self.attn_implementation = layout, family, attn_implementation
-        self.check_inputs = check_inputs
+        self.check_inputs, self.tiled_loss = check_inputs, tiled_loss
         config = family.pretrained.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self.keep_ids = any(p.kind == "m2m100" for p in family.positions)
@@ -352,20 +354,86 @@ class LMForward(_Wrapper):
             targets = shift_labels if shift_labels is not None else torch.cat(
                 [labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
         kwargs["use_cache"] = False  # no cache under SP: its lengths would be local
-        with state.local_outputs(_Slot(checked=True)) as slot:
+        head = _TiledHead.make(state, model, targets) if model.training else None
+        with state.local_outputs(_Slot(checked=True)) as slot, (head or contextlib.nullcontext()):
             out = self.original(**kwargs, return_dict=True)
         if slot.ctx is None:
             raise RuntimeError(f"seqpar_hf: {type(model).__name__}'s forward did not run its backbone "
                                f"({type(family.backbone).__name__}); cannot compute a sequence-parallel loss")
-        local_labels = slot.ctx.plan("decoder").pad_and_shard(targets.to(out.logits.device), IGNORE_INDEX)
-        loss = sequence_parallel_loss(out.logits, local_labels, layout.sp_group, layout.sp_size, num_items,
-                                      label_smoothing)
+        if head is not None and head.hidden is None:
+            raise RuntimeError(f"seqpar_hf: {type(model).__name__}'s forward did not call its output embeddings; "
+                               "patch it with tiled_loss=False")
+        device = head.hidden.device if head is not None else out.logits.device
+        local_labels = slot.ctx.plan("decoder").pad_and_shard(targets.to(device), IGNORE_INDEX)
+        if head is not None:  # no [tokens, vocab] logits: head + cross-entropy in checkpointed chunks
+            token_sum = tiled_token_loss_sum(head.hidden, local_labels, head.logits, head.vocab_size, label_smoothing)
+        else:
+            token_sum = token_loss_sum(out.logits, local_labels, label_smoothing)
+        loss = group_mean_loss(token_sum, local_labels, layout.sp_group, layout.sp_size, num_items)
         aux = out.get("aux_loss")
         if aux is not None:  # MoE load balancing, from the gathered router logits: same on every rank
             coef = getattr(model, "router_aux_loss_coef", None)
             loss = loss + (model.config.router_aux_loss_coef if coef is None else coef) * aux.to(loss.device)
-        out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
+        dropped = ("loss", "logits") if head is not None else ("loss",)  # tiled: there are no logits
+        out = type(out)(loss=loss, **{k: v for k, v in out.items() if k not in dropped})
         return out if return_dict is not False else out.to_tuple()
+
+
+class _TiledHead:
+    """For one training forward: the LM head returns empty logits ([..., 0, V]) and keeps its input;
+    `logits(h)` is the head and what the model's forward does after it, for the tiled loss."""
+
+    def __init__(self, model, module):
+        self.module, self.hidden = module, None
+        self.vocab_size = int(module.weight.shape[0])
+        self.forward = module.forward  # the head's own computation (LoRA included), without module hooks
+        config = model.config
+        self.bias = getattr(model, "final_logits_bias", None)  # Marian, BART, mBART, Pegasus
+        self.softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
+        self.scale = getattr(model, "logit_scale", None)  # Cohere multiplies
+        self.divide = getattr(config, "logits_scaling", None)  # Granite divides
+
+    @classmethod
+    def make(cls, state: PatchState, model, targets: torch.Tensor) -> "_TiledHead | None":
+        setting = state.tiled_loss
+        if setting is False or state.layout.sizes.tp_size > 1:
+            return None  # under TP the vocab-parallel head already splits the logits
+        module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if module is None or getattr(module, "weight", None) is None:
+            return None
+        if setting == "auto":
+            rows, length = targets.shape[0], targets.shape[-1]
+            local = -(-length // state.layout.sp_size)
+            if rows * local * module.weight.shape[0] < TILED_LOSS_MIN_ELEMENTS:
+                return None
+        return cls(model, module)
+
+    def __enter__(self):
+        self.had = "forward" in self.module.__dict__
+        self.module.forward = self._capture
+        return self
+
+    def __exit__(self, *exc):
+        if self.had:
+            self.module.forward = self.forward
+        else:
+            del self.module.forward
+
+    def _capture(self, hidden):
+        self.hidden = hidden
+        return hidden.new_empty(*hidden.shape[:-2], 0, self.vocab_size)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.forward(hidden)
+        if self.bias is not None:
+            logits = logits + self.bias.to(logits.device)[0]
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class GenerateWithoutSP(_Wrapper):
@@ -410,7 +478,8 @@ def _state_of(model) -> PatchState | None:
     return None
 
 
-def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_loss: bool = True):
+def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_loss: bool = True,
+                tiled_loss: bool | str = "auto"):
     """Make `model` (this instance) sequence-parallel over `layout`'s SP group and return it.
 
     `model` is a causal or encoder-decoder LM (or its backbone, or a PEFT model wrapping one). Every
@@ -423,6 +492,10 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     all-gather per forward, that the ranks of the group got the same batch, and raises on every rank
     otherwise. `lm_loss=False` leaves the language model's own forward alone (only the backbone is
     sharded, its outputs always gathered): for a model whose forward another library has replaced.
+    `tiled_loss` (training with labels only): compute the LM head and cross-entropy over checkpointed
+    chunks of the labelled tokens, never holding this rank's [tokens, vocab] logits; `out.logits` is
+    then None. "auto": when those logits would have at least `TILED_LOSS_MIN_ELEMENTS` (2^26)
+    elements; True: always; False: never. Evaluation never tiles (it returns logits).
     """
     state = _state_of(model)
     if state is not None:
@@ -440,7 +513,12 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     pretrained = family.pretrained
     attn_implementation = pretrained.config._attn_implementation
     _own_config(pretrained)
-    state = PatchState(layout, family, attn_implementation, check_inputs)
+    if tiled_loss not in (True, False, "auto"):
+        raise ValueError(f"tiled_loss={tiled_loss!r}: use True, False or 'auto'")
+    if tiled_loss is True and tp > 1:
+        raise ValueError(f"tiled_loss=True with tp_size={tp}: the vocab-parallel LM head already splits the logits "
+                         "over the TP group; use tiled_loss='auto' (off under TP) or False")
+    state = PatchState(layout, family, attn_implementation, check_inputs, tiled_loss)
     for site in family.attention:
         setattr(site.module, _SITE, AttentionSite(state, site.name, site.q_side, site.kv_side))
     state.hooks = positions.install(state, family, state.pad_id)
@@ -523,6 +601,14 @@ def gather_sequence(model, tensor: torch.Tensor, side: str = "decoder", dim: int
 def gather_logits(model, logits: torch.Tensor) -> torch.Tensor:
     """Full logits [b, s, V] from this rank's shard of the last forward's logits."""
     return gather_sequence(model, logits, "decoder")
+
+
+def family_of(model) -> ModelFamily:
+    """The SP-relevant structure of a patched model (its backbone, layer stacks, attention modules)."""
+    state = _state_of(model)
+    if state is None:
+        raise ValueError("the model is not patched by seqpar_hf; call seqpar_hf.patch_model(model, layout) first")
+    return state.family
 
 
 def model_kind(model) -> str:

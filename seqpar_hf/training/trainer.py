@@ -28,7 +28,7 @@ from transformers.trainer_utils import has_length
 
 from .. import _compat
 from ..models.loss import IGNORE_INDEX
-from . import checkpoint
+from . import checkpoint, fsdp
 from ..models.patch import gather_logits, is_patched, model_kind, patch_model
 from ..parallel.comm import group_size
 from ..parallel.layout import MODES, ParallelLayout, validate_sizes
@@ -115,6 +115,10 @@ class SequenceParallelMixin:
         self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size)
         if model is not None and not isinstance(model, str) and not is_patched(model):
             patch_model(model, self.layout)
+        self.fsdp_summary = None
+        if model is not None and not isinstance(model, str) and fsdp.fsdp_requested(args):
+            # FSDP2 over dp x sp, also on CPU, where the Trainer would silently ignore the request
+            self.fsdp_summary = fsdp.shard_model(model, self.layout)
         self._eval_steps: dict[str, int] = {}  # eval steps the last loop ran, per metric prefix
         self._eval_step_count = 0
 
@@ -141,12 +145,12 @@ class SequenceParallelMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.sync_gradients and checkpoint.is_sharded(model):
-            self._average_gradients(model)
+        if self.accelerator.sync_gradients and checkpoint.is_sharded(model) and not fsdp.is_fully_sharded(model):
+            self._average_gradients(model)  # FSDP2 reduce-scatters (and averages) in its backward hooks
         return loss
 
     def _average_gradients(self, model):
-        """What DDP does, for a tensor-parallel model: average each gradient (a DTensor's local shard)
+        """What DDP does, for a tensor-parallel model without FSDP: average each gradient (a DTensor's local shard)
         over the ranks that hold the same weights (dp x sp), once per optimizer step."""
         n = self.layout.dp_size * self.layout.sp_size
         if n == 1:
@@ -396,7 +400,8 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
         if self.generation_kwargs_fn is not None and bounds[rank + 1] > bounds[rank]:
             gen_kwargs = {**gen_kwargs, **self.generation_kwargs_fn(mine)}
         model = self.accelerator.unwrap_model(self.model)
-        tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
+        with fsdp.full_parameters(model):  # collective: every rank, before the ranks' generations diverge
+            tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
         if sp == 1:
             return tokens
         pieces = [None] * sp

@@ -1,0 +1,88 @@
+"""Tier 1 (one process, no process group): the tiled logits loss against the plain loss, and when it
+is on. Multi-rank parity of the tiled loss (ulysses, ring, DDP, checkpointing): test_parity_gloo.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import seqpar_hf
+import seqpar_hf.models.loss as loss_module
+
+from .models import VOCAB, build_model, make_batch, relative_error
+from .parity import _grad_errors
+
+TOL = 1e-5
+
+
+def _pair(family: str, tiled, **model_kwargs):
+    model = build_model(family, **model_kwargs)
+    reference = copy.deepcopy(model)
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss=tiled)
+    return model, reference
+
+
+@pytest.mark.parametrize("family", ["marian", "llama", "gemma2", "m2m100"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing, monkeypatch):
+    monkeypatch.setattr(loss_module, "TILED_LOSS_CHUNK_ELEMENTS", VOCAB * 4)  # several chunks
+    model, reference = _pair(family, True)
+    batch = make_batch(family, seed=3, **(dict(left_pad=False) if family == "gemma2" else {}))
+    out = model(**batch, label_smoothing=smoothing)
+    assert out.logits is None  # never materialised
+    expected_logits = reference(**batch).logits
+    labels = batch["labels"]
+    if model.config.is_encoder_decoder:
+        logits, targets = expected_logits, labels
+    else:
+        logits, targets = expected_logits[:, :-1], labels[:, 1:]
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                                 label_smoothing=smoothing)
+    out.loss.backward()
+    expected.backward()
+    assert relative_error(out.loss.detach(), expected.detach()) < TOL
+    err, name = _grad_errors(model, reference)
+    assert err < TOL, name
+
+
+def test_auto_tiles_training_above_the_threshold_only(monkeypatch):
+    model, _ = _pair("llama", "auto")
+    batch = make_batch("llama", seed=3)
+    rows, length = batch["input_ids"].shape
+    assert model(**batch).logits is not None  # small: plain loss
+    monkeypatch.setattr(loss_module, "TILED_LOSS_MIN_ELEMENTS", rows * length * VOCAB)
+    from seqpar_hf.models import patch as patch_module
+    monkeypatch.setattr(patch_module, "TILED_LOSS_MIN_ELEMENTS", rows * length * VOCAB)
+    assert model(**batch).logits is None  # at the threshold: tiled
+    model.eval()
+    assert model(**batch).logits is not None  # evaluation returns logits
+
+
+def test_tiled_loss_false_and_tp_refusal():
+    model, _ = _pair("marian", False)
+    assert model(**make_batch("marian", seed=1)).logits is not None
+    with pytest.raises(ValueError, match="tiled_loss"):
+        seqpar_hf.patch_model(build_model("marian"), seqpar_hf.ParallelLayout(sp_size=1), tiled_loss="yes")
+
+
+def test_tiled_loss_never_holds_the_logits():
+    """Saved-for-backward bytes: the plain loss keeps [tokens, vocab] tensors, the tiled loss none."""
+    vocab = 4096
+    saved = {}
+    for tiled in (False, True):
+        model = build_model("llama", vocab_size=vocab)
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss=tiled)
+        batch = make_batch("llama", seed=3, length=64, pad=False)
+        largest = [0]
+
+        def pack(t):
+            largest[0] = max(largest[0], t.numel())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**batch).loss.backward()
+        saved[tiled] = largest[0]
+    tokens = 3 * 64
+    assert saved[False] >= tokens * vocab // 2
+    assert saved[True] < tokens * vocab // 8
