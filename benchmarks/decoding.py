@@ -41,7 +41,7 @@ def decode(model, tokenizer, test, batch_size: int, guards: bool, max_length: in
                 [recipe.SourceLengthLimit(limits, tokenizer.eos_token_id, 1)])
         with torch.no_grad():
             ids = model.generate(**inputs, **kwargs)
-        at_limit += int((ids.ne(tokenizer.pad_token_id).sum(-1) >= max_length - 1).sum())
+        at_limit += int((~ids.eq(tokenizer.eos_token_id).any(-1)).sum())  # no end of sentence: cut at the limit
         outputs += translation_data.decode_french(tokenizer, ids.tolist())
     return outputs, time.perf_counter() - start, at_limit
 

@@ -82,3 +82,19 @@ def test_packed_llama_on_cuda_equals_the_unpatched_model():
     batch = {k: v.cuda() for k, v in batch.items()}
     seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
     assert relative_error(model(**batch).loss, reference(**batch, use_cache=False).loss) < 1e-5
+
+
+def test_longest_sequence_benchmark_runs_on_cuda(tmp_path):
+    """benchmarks/longest_sequence.py --device cuda: the allocator's peaks, short lengths."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "longest"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "longest_sequence.py"), "--device", "cuda", "--sp", "1",
+                    "2", "--options", "plain", "checkpointing + tiled loss", "--lengths", "768", "1280", "2048",
+                    "--out", str(out)], check=True, cwd=root, timeout=600)
+    rows = json.loads(Path(str(out) + ".json").read_text())["rows"]
+    assert all(r["longest"] > 0 for r in rows)

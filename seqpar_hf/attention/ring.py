@@ -146,7 +146,9 @@ class RingAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
             if pending is not None:
                 kv = _Ring.wait(pending)
-        out = out.to(q.dtype)
+        # laid out as [b, s, h, d] in memory: the caller's transpose to [b, s, h, d] is then free, so the
+        # output projection's saved input shares this storage instead of keeping a second copy
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that saw no key at all: grads are 0 anyway
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.kv_index = plan, scale, kv_index

@@ -397,7 +397,7 @@ class _TiledHead:
     def make(cls, state: PatchState, model, targets: torch.Tensor) -> "_TiledHead | None":
         setting = state.tiled_loss
         if setting is False or state.layout.sizes.tp_size > 1:
-            return None  # under TP the vocab-parallel head already splits the logits
+            return None  # under TP the head is a DTensor module whose hooks the capture would bypass
         module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if module is None or getattr(module, "weight", None) is None:
             return None
@@ -505,6 +505,12 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
                          f"before patching it with {layout}")
     family = inspect_model(model)
     tp = layout.sizes.tp_size
+    if tiled_loss not in (True, False, "auto"):
+        raise ValueError(f"tiled_loss={tiled_loss!r}: use True, False or 'auto'")
+    if tiled_loss is True and tp > 1:
+        raise ValueError(f"tiled_loss=True with tp_size={tp}: the tiled loss does not work with a tensor-parallel LM "
+                         "head (a DTensor module; its logits are gathered whole on every TP rank); use "
+                         "tiled_loss='auto' (off under TP) or False")
     if tp > 1:
         tensor_parallel.check(family, layout)
     for site in family.attention:  # refuse head counts Ulysses cannot split (TP's share), before any forward
@@ -513,11 +519,6 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     pretrained = family.pretrained
     attn_implementation = pretrained.config._attn_implementation
     _own_config(pretrained)
-    if tiled_loss not in (True, False, "auto"):
-        raise ValueError(f"tiled_loss={tiled_loss!r}: use True, False or 'auto'")
-    if tiled_loss is True and tp > 1:
-        raise ValueError(f"tiled_loss=True with tp_size={tp}: the vocab-parallel LM head already splits the logits "
-                         "over the TP group; use tiled_loss='auto' (off under TP) or False")
     state = PatchState(layout, family, attn_implementation, check_inputs, tiled_loss)
     for site in family.attention:
         setattr(site.module, _SITE, AttentionSite(state, site.name, site.q_side, site.kv_side))
@@ -546,7 +547,7 @@ def unpatch_model(model):
         return model
     if state.layout.sizes.tp_size > 1:
         raise ValueError("a tensor-parallel model cannot be unpatched in place (its weights are sharded over the TP "
-                         "group); save it with seqpar_hf.full_state_dict / the trainer's save_model and load the "
+                         "group); save it with seqpar_hf.training.checkpoint.full_model_state_dict / the trainer's save_model and load the "
                          "checkpoint into a fresh model")
     family = state.family
     family.pretrained.set_attn_implementation(state.attn_implementation)
