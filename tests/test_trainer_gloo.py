@@ -28,6 +28,8 @@ def _world(world: int, resume_dir: str | None):
     out = {name: run(**config) for name, (w, config) in SETUPS.items() if w == world}
     if world == 2:
         out["resume"] = {name: resume_run(f"{resume_dir}/{name}", **config) for name, config in RESUME.items()}
+        from .trainer_runs import tp_generation_check
+        out["tp_generate"] = tp_generation_check()
     if world == 4:
         from .fsdp_runs import run_loops
         from .test_fsdp_gloo import LOOPS
@@ -117,3 +119,8 @@ def test_resume_continues_the_same_curve_and_checkpoint_is_plain(worlds, plain_e
     assert after and all(abs(resumed[key] - value) <= TOL * abs(value) for key, value in after.items())
     final_eval = full[(6, "eval_loss")]
     assert abs(plain_evals[layout] - final_eval) <= TOL * abs(final_eval)
+
+
+def test_generation_under_tensor_parallelism_equals_one_process(worlds):
+    r = worlds(2)["tp_generate"]
+    assert r == {"rows": 13, "mismatches": 0}

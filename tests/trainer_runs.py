@@ -160,3 +160,19 @@ def plain_eval(checkpoint: str) -> float:
 
 def plain_eval_many(checkpoints: list[str]) -> list[float]:
     return [plain_eval(c) for c in checkpoints]
+
+
+def tp_generation_check() -> dict:
+    """tp=2: predict() with generation (a plain copy with the full weights generates) equals one process."""
+    trainer, _ = make_trainer(sp=1, tp=2, batch=8, eval_size=13)
+    trainer.args.predict_with_generate = True
+    generated = trainer.predict(trainer.eval_dataset, max_new_tokens=6).predictions
+    reference = build_model("marian", heads=4).eval()
+    mismatches = 0
+    for i in range(len(trainer.eval_dataset)):
+        single = collate([trainer.eval_dataset[i]])
+        expected = reference.generate(input_ids=single["input_ids"], attention_mask=single["attention_mask"],
+                                      max_new_tokens=6, do_sample=False)[0].tolist()
+        got = [t for t in generated[i].tolist() if t >= 0]
+        mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
+    return {"rows": len(generated), "mismatches": mismatches}

@@ -400,6 +400,10 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
         if self.generation_kwargs_fn is not None and bounds[rank + 1] > bounds[rank]:
             gen_kwargs = {**gen_kwargs, **self.generation_kwargs_fn(mine)}
         model = self.accelerator.unwrap_model(self.model)
+        if self.layout.sizes.tp_size > 1:
+            # Under TP the norms are sharded along the sequence, which one decoding step (1 token) cannot
+            # be: generate with a plain copy holding the full weights (collective: every rank, here)
+            model = _plain_copy(model)
         with fsdp.full_parameters(model):  # collective: every rank, before the ranks' generations diverge
             tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
         if sp == 1:
@@ -426,3 +430,21 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
                 losses = losses[finite]
             output.metrics[f"{metric_key_prefix}_loss"] = float(losses.mean())
         return output
+
+
+def _plain_copy(model):
+    """An unpatched, non-parallel copy of a tensor-parallel model with its full weights (for generation)."""
+    import copy as _copy
+
+    from ..models.patch import _state_of
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # full on every rank
+    config = _copy.deepcopy(model.config)
+    patched = _state_of(model)
+    plain = type(model)(config)
+    plain.set_attn_implementation(patched.attn_implementation if patched is not None else "sdpa")
+    plain.load_state_dict(state, strict=False)
+    plain.generation_config = _copy.deepcopy(model.generation_config)
+    return plain.to(next(model.parameters()).device).eval()
