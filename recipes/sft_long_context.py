@@ -90,8 +90,19 @@ class TimeBudget(TrainerCallback):
         self.start = time.time()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.seconds > 0 and time.time() - self.start > self.seconds:
+        if self.seconds > 0 and _all_ranks_agree(time.time() - self.start > self.seconds, args.device):
             control.should_training_stop = control.should_evaluate = True
+
+
+def _all_ranks_agree(stop: bool, device) -> bool:
+    """One decision for every rank: a rank that stopped alone would leave the others in a collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stop
+    flag = torch.tensor([float(stop)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def documents(split, pairs: int, limit: int) -> Dataset:
