@@ -183,7 +183,8 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
     # of its SwiGLU intermediates and hidden state; the head's gradient
     head_grad = m.vocab * h / tp * 4
     recompute = dict(states=weights + moments + head_grad, fsdp_gathered=gathered,
-                     activations=local * (m.layers * h + per_layer + 2 * ffn + h) * e, logits=0.0, communication=comm)
+                     activations=local * (m.layers * h + per_layer + 2 * ffn + h) * e, logits=0.0,
+                     communication=0.0)  # the recomputed forward's all-to-all buffers are freed by then
     # end of backward: every gradient (FSDP: sharded, but the root's whole until reduce-scattered)
     end = dict(states=weights + moments + (grads + root_grads if shards > 1 else P * 4), fsdp_gathered=gathered,
                activations=0.0, logits=0.0, communication=0.0)
