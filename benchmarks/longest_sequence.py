@@ -86,6 +86,7 @@ def build(sp: int, checkpointing: bool, tiled: bool, device: str):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).train()
+    model.to(device)  # transformers 5.17 builds on the CPU whatever the default device
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layout = seqpar_hf.ParallelLayout(sp_size=sp)

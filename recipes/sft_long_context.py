@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 import transformers
 from datasets import Dataset
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the translation recipe's data module
 import translation_data  # noqa: E402
 
+from seqpar_hf import TimeBudgetCallback  # noqa: E402
 from seqpar_hf.training.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,29 +81,6 @@ class SFTArguments(SequenceParallelSFTConfig):
     dataloader_num_workers: int = 0
     bf16: bool = False  # TRL turns bf16 on by default, which on a CPU without bf16 units is several times slower
     gradient_checkpointing: bool = False  # a small model: activations fit; turn on for long rows on a GPU
-
-
-class TimeBudget(TrainerCallback):
-    def __init__(self, minutes: float):
-        self.seconds, self.start = minutes * 60, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.seconds > 0 and _all_ranks_agree(time.time() - self.start > self.seconds, args.device):
-            control.should_training_stop = control.should_evaluate = True
-
-
-def _all_ranks_agree(stop: bool, device) -> bool:
-    """One decision for every rank: a rank that stopped alone would leave the others in a collective."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return stop
-    flag = torch.tensor([float(stop)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def documents(split, pairs: int, limit: int) -> Dataset:
@@ -151,7 +129,7 @@ def main(argv=None):
                 sum(p.numel() for p in model.parameters()) / 1e6, args.sp_size, args.sp_mode)
 
     trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                                         processing_class=tokenizer, callbacks=[TimeBudget(recipe.max_train_minutes)])
+                                         processing_class=tokenizer, callbacks=[TimeBudgetCallback(recipe.max_train_minutes)])
     logger.info("%s", trainer.layout)
     trainer.train()
     metrics = trainer.evaluate()

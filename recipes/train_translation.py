@@ -137,34 +137,6 @@ DEFAULT_BATCH = {name: RecipeTrainingArguments.__dataclass_fields__[name].defaul
                  for name in ("per_device_train_batch_size", "per_device_eval_batch_size")}
 
 
-class TimeBudget(TrainerCallback):
-    """Ends training after `minutes` (evaluation, test and saving then run as usual)."""
-
-    def __init__(self, minutes: float):
-        self.seconds, self.start = minutes * 60, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.seconds > 0 and _all_ranks_agree(time.time() - self.start > self.seconds, args.device):
-            logger.info("time budget of %.1f minutes reached at step %d", self.seconds / 60, state.global_step)
-            control.should_training_stop = True
-            control.should_evaluate = True
-
-def _all_ranks_agree(stop: bool, device) -> bool:
-    """One decision for every rank (rank 0's clock would differ from the others' by a step): stop when
-    any rank's budget is spent. A rank that stopped alone would leave the others in a collective."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return stop
-    flag = torch.tensor([float(stop)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-
 def parse_args(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, RecipeTrainingArguments))
     return parser.parse_args_into_dataclasses(args=argv)
@@ -344,7 +316,7 @@ def main(argv=None):
         data_collator=counter, eval_data_collator=padded,
         generation_kwargs_fn=generation_kwargs_fn(data_args, tokenizer),
         compute_metrics=make_compute_metrics(tokenizer, validation["fr_refs"], metric),
-        callbacks=[TimeBudget(data_args.max_train_minutes), RealTokens(counter)])
+        callbacks=[seqpar_hf.TimeBudgetCallback(data_args.max_train_minutes), RealTokens(counter)])
     logger.info("%s", trainer.layout)
 
     trainer.train()

@@ -3,7 +3,9 @@
 from .models.patch import (gather_logits, gather_sequence, is_patched, model_kind, patch_model, sp_disabled,
                            unpatch_model)
 from .parallel.layout import ParallelLayout
+from .training.callbacks import TimeBudgetCallback
 from .training.trainer import SequenceParallelArguments, SequenceParallelTrainer
 
 __all__ = ["ParallelLayout", "patch_model", "unpatch_model", "is_patched", "sp_disabled", "model_kind",
-           "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer"]
+           "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer",
+           "TimeBudgetCallback"]

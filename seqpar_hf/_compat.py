@@ -48,6 +48,28 @@ def ring_kernel_ops(device_type: str):
     return _checked[device_type]
 
 
+_VARLEN: list = []
+
+
+def varlen_attention():
+    """torch's varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`, public from 2.10) when it
+    takes `scale` and `window_size` (2.11 on; 2.10's takes only `is_causal`), else None: packed
+    attention then goes by document. Checked once."""
+    if not _VARLEN:
+        fn = None
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+            params = inspect.signature(varlen_attn).parameters
+            if "scale" in params and "window_size" in params:
+                fn = varlen_attn
+        except (ImportError, ValueError, TypeError):
+            pass
+        _VARLEN.append(fn)
+    return _VARLEN[0]
+
+
 # --- accelerate ----------------------------------------------------------------------------------
 
 

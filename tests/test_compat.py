@@ -27,6 +27,11 @@ def test_torch_private_attention_ops_exist():
             assert hasattr(torch.ops.aten, name), name
 
 
+def test_torch_varlen_kernel_takes_scale_and_window():
+    """Packed attention on CUDA (half precision) goes through varlen_attn(..., scale=, window_size=)."""
+    assert _compat.varlen_attention() is not None, torch.__version__
+
+
 def test_accelerate_marks_and_registers_prepared_loaders():
     from accelerate import Accelerator
     from accelerate.data_loader import prepare_data_loader

@@ -2,7 +2,8 @@
 
 - `attention`: SDPA over whole sequences for some heads (Ulysses after its all-to-all), with the
   mask built once per forward (`masks.MaskSpec.full_mask`); on CUDA, packed or windowed attention
-  takes the varlen flash kernel instead, with no mask.
+  in fp16 / bf16 takes the varlen flash kernel instead, with no mask (fp32 has no flash kernel: packed
+  rows go document by document, `_by_document`).
 - `block_forward` / `block_backward`: one block of queries against one block of keys, returning /
   taking the log-sum-exp, for ring attention. They call private aten kernels (through `_compat`,
   checked once) and fall back to the math here.
@@ -110,10 +111,11 @@ def _varlen(q, k, v, spec: MaskSpec, scale, kv_for_q, masks):
     """Packed / windowed self-attention on CUDA through the varlen flash kernel: documents (and runs
     of padding) become segments of one flattened batch, so no [s, s] mask exists. None if the pattern
     is not expressible that way (cross-attention, padding inside a document)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    if spec.q is not spec.k or spec.q.doc is None and spec.window is None:
+    varlen_attn = _compat.varlen_attention()
+    if varlen_attn is None or spec.q is not spec.k or spec.q.doc is None and spec.window is None:
         return None
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256:
+        return None  # flash kernels: half precision, head dim a multiple of 8 up to 256
     key = ("segments", id(spec.q))
     if key not in masks:
         masks[key] = segments(spec.q)
@@ -169,7 +171,8 @@ def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
         return ops[1](dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
     b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = ops[1](dout, q, k, v, b if b is not None else torch.empty(0, device=q.device, dtype=q.dtype), out,
+    # no bias: None (an undefined tensor); an empty one counts as given and fails the kernel's shape check
+    dq, dk, dv, _ = ops[1](dout, q, k, v, b, out,
                            lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 

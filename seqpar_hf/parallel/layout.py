@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from .. import _compat
@@ -119,7 +120,9 @@ class ParallelLayout:
         s = self.sizes = validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size, self.tp_size)
         self.ring_size = s.ring_size
         self.rank = dist.get_rank()
-        self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        backend = dist.get_backend()
+        # nccl: CUDA; gloo: CPU; the single-process "fake" group of the benchmarks: wherever the GPU is
+        self.device_type = "cuda" if "nccl" in backend or (backend == "fake" and torch.cuda.is_available()) else "cpu"
         # init_device_mesh is collective; so is flattening (both create process groups on every rank).
         self.mesh = _compat.init_mesh(self.device_type, (s.dp_size, s.ring_size, s.ulysses_size, s.tp_size),
                                       MESH_DIMS)
