@@ -407,7 +407,7 @@ def extras(p: dict, name: str, kind: str, t: int, sp: int) -> dict:
     out = {}
     if kind == "seqpar" and t > 1:  # the all-gathered inputs of q/k/v and gate/up, saved whole by the linears
         out["gathered block inputs"] = 2 * h * (1 / sp - 1 / (t * sp))
-    if kind == "seqpar" and sp > 1:  # attention output kept twice: kernel layout and o_proj input
+    if kind == "seqpar" and sp > 1 and name != "ring":  # Ulysses: kernel output (heads-sharded) and o_proj input
         out["attention output twice"] = h / (t * sp)
     return out
 
@@ -503,15 +503,17 @@ but `q_proj` and `gate_proj` save their **all-gathered** input, a replicated [s,
 rank: 2 x (1 - 1/t) x s*b*h*4 = {kib(2 * (1 - 1 / 4) * sbh * E)} KiB, i.e. 2h(1 - 1/t) = {2 * (1 - 1 / 4):.2f} h per token, {2 * (1 - 1 / 4) / (tot / h / 4):.0%} on top
 of the ideal {tot / h / 4:.2f} h. With it, TP+SP saves {per_layer(records, 'TP+SP', lambda r: r['saved_bytes'])[0] / unsharded:.3f} of the unsharded layer, not 1/t = 0.250.
 
-*Ulysses and ring ({per_layer(records, 'Ulysses', lambda r: r['saved_bytes'])[0] / llama_activations(p, 1, 4, False):.2f}x Llama-terms, under 10%)*: everything is /sp except the attention
-output, stored twice: once as the kernel's output (Ulysses: [b, a/sp, s, d] before the all-to-all back; ring:
-[b, a, s/sp, d] saved by `RingAttention`) and once as `o_proj`'s input [s/sp, h] (listing: the extra
-`self_attn.o_proj` row, absent from the unsharded listing, where SDPA's output memory is already [b, s, a, d]
-and o_proj's input is a view of it). Extra: s*b*h*4/sp = {kib(sbh * E / 4)} KiB per layer. For Ulysses the two
-tensors are different data (heads- vs sequence-sharded), inherent to the method; for ring they hold the same
-values: `RingAttention.forward` allocates `out` as [b, h, s, d] (seqpar_hf/attention/ring.py), HF transposes
-it to [b, s, h, d] and `reshape(...)` copies it for o_proj. Allocating it [b, s, h, d]-contiguous and returning
-the transposed view would let o_proj's input share the saved storage.
+*Ulysses ({per_layer(records, 'Ulysses', lambda r: r['saved_bytes'])[0] / llama_activations(p, 1, 4, False):.2f}x Llama-terms, under 10%)*: everything is /sp except the attention
+output, stored twice: once as the kernel's output [b, a/sp, s, d] before the all-to-all back, and once as
+`o_proj`'s input [s/sp, h] (listing: the extra `self_attn.o_proj` row, absent from the unsharded listing, where
+SDPA's output memory is already [b, s, a, d] and o_proj's input is a view of it). Extra: s*b*h*4/sp =
+{kib(sbh * E / 4)} KiB per layer. The two tensors are different data (heads- vs sequence-sharded): inherent
+to the method.
+
+*ring ({per_layer(records, 'ring', lambda r: r['saved_bytes'])[0] / llama_activations(p, 1, 4, False):.2f}x Llama-terms)*: everything is /sp. `RingAttention` allocates its
+output [b, s/sp, a, d]-contiguous and returns the [b, a, s/sp, d] view, so HF's transpose + reshape for
+`o_proj` is a view of the storage the ring already saved (an earlier version allocated [b, a, s, d], and the
+reshape copied it: +{kib(sbh * E / 4)} KiB per layer).
 
 *TP+SP x Ulysses ({per_layer(records, 'TP+SP x Ulysses', lambda r: r['saved_bytes'])[0] / llama_activations(p, 2, 2, True):.2f}x Llama-terms)*: both effects: gathered block inputs [s/sp, h] instead of
 [s/(sp t), h] (+2h(1/sp - 1/(t sp)) per token) and the attention output twice (+h/(t sp)).
@@ -580,7 +582,7 @@ N = s*b*h*4, i.e. per token of the *full* sequence):
 | TP alone (f) | {mem['TP (f)']:.2f} (norm regions, their outputs whole) | {tot_comm['TP (f)']:.2f} N (plan per linear: {tot_comm['TP']:.2f} N) | t divides kv heads | yes, 1/t | 4 all-reduces, blocking, ∝ s·h whatever t | the model's weights do not fit one device and sequences are short; fast intra-node links only. Prefer TP+SP: same bytes, less memory |
 | TP+SP (seqpar_hf tp_size) | {mem['TP+SP']:.2f} (ideal 0.25; gathered block inputs kept whole) | {tot_comm['TP+SP']:.2f} N | t divides kv heads | yes, 1/t | 4 all-gathers + 4 reduce-scatters, blocking, ∝ s·h whatever t | weights need sharding within a node (NVLink); {tot_comm['TP+SP'] / tot_comm['Ulysses']:.1f}× Ulysses' bytes here |
 | Ulysses (sp) | {mem['Ulysses']:.2f} (ideal 0.25; attention output twice) | {tot_comm['Ulysses']:.2f} N | sp ≤ query heads (kv heads replicated when fewer) | no (add FSDP) | 8 all-to-alls, ∝ s·h/sp: shrinks as sp grows | long sequences, heads ≥ sp, good all-to-all bandwidth (intra-node, or inter-node with fast fabric): least bytes of all |
-| ring (sp) | {mem['ring']:.2f} (ideal 0.25; output copy avoidable) | {tot_comm['ring']:.2f} N | none | no (add FSDP) | p2p to neighbours, K/V only (GQA makes it smaller), overlappable with the block compute | sp larger than the head count, slow or inter-node links (overlap hides it when s/sp is long enough), few kv heads |
+| ring (sp) | {mem['ring']:.2f} (ideal 0.25) | {tot_comm['ring']:.2f} N | none | no (add FSDP) | p2p to neighbours, K/V only (GQA makes it smaller), overlappable with the block compute | sp larger than the head count, slow or inter-node links (overlap hides it when s/sp is long enough), few kv heads |
 | TP+SP x Ulysses (t=2, sp=2) | {mem['TP+SP x Ulysses']:.2f} | {tot_comm['TP+SP x Ulysses']:.2f} N | a/t ≥ u, t divides g | yes, 1/t | TP inside a node, all-to-all over the sp group | weights need TP *and* sequences are too long for TP alone: TP over the fastest links, Ulysses (or ring, hybrid) across |
 
 Rules of thumb from this data: at equal world size all layouts that shard the sequence everywhere (TP+SP, Ulysses,

@@ -21,9 +21,10 @@ from .parity import _grad_errors
 
 DOC_LENGTHS = (5, 9, 3, 7, 1, 6)  # 31 tokens: documents cross shard boundaries and ring hops
 PAIR_LENGTHS = ((4, 6), (7, 3), (2, 5), (6, 6), (1, 2), (5, 4))
-# many short documents in long rows: attention takes the by-document path (kernels._by_document)
-MANY_DOCS = tuple(3 + (7 * i) % 5 for i in range(40))  # 197 tokens
-MANY_PAIRS = tuple((2 + (3 * i) % 5, 2 + (7 * i) % 4) for i in range(30))
+# many short documents in long rows: attention takes the by-document path (kernels._by_document),
+# every 10th one longer, so the documents fall into two length groups (up to 8 tokens and up to 16)
+MANY_DOCS = tuple(13 + i % 4 if i % 10 == 9 else 3 + (7 * i) % 5 for i in range(40))  # 237 tokens
+MANY_PAIRS = tuple((12, 10) if i % 10 == 9 else (2 + (3 * i) % 5, 2 + (7 * i) % 4) for i in range(30))
 
 
 def _docs(seed: int, lengths=DOC_LENGTHS) -> list[list[int]]:

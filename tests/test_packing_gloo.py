@@ -69,6 +69,35 @@ def test_packed_rows_are_exact(results, world, name):
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
 
 
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 4)])
+def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeypatch, causal, window):
+    """Documents of 2-70 tokens (5 length groups) and trailing padding: the grouped by-document path
+    gives the dense mask's outputs and gradients (fp64)."""
+    from seqpar_hf.attention import kernels
+    from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+    from seqpar_hf.parallel.sharding import ShardPlan
+
+    lens = [3, 17, 5, 40, 9, 2, 70, 12, 6, 33]
+    s = sum(lens) + 5
+    valid = torch.ones(2, s, dtype=torch.bool)
+    valid[:, -5:] = False
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [torch.full((5,), -1)])[None].repeat(2, 1)
+    meta = SeqMeta(ShardPlan.build(s, 1, 0), valid, doc)
+    spec = MaskSpec(meta, meta, causal, window)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, s, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    results = []
+    for ratio in (0, 1e9):  # always by document / never
+        monkeypatch.setattr(kernels, "DOCUMENT_WORK_RATIO", ratio)
+        cache = {}
+        out = kernels.attention(q, k, v, spec, 0.25, 0.0, None, cache)
+        results.append([out, *torch.autograd.grad((out * out.detach().cos()).sum(), (q, k, v))])
+        groups = [len(c[0]) for key, c in cache.items() if key[0] == "documents" and c]
+        assert groups == ([5] if ratio == 0 else [])
+    for got, want in zip(*results):
+        assert (got - want).abs().max() < 1e-12
+
+
 # ---- bad packed input: a clear error naming the row (tier 1, no process group) -----------------------
 
 def _patched(family):

@@ -66,44 +66,65 @@ def unmasked(q, k, v, causal: bool, scale: float, kv_for_q=None) -> torch.Tensor
 DOCUMENT_WORK_RATIO = 8
 
 
+def _buckets(docs: DocumentBatch) -> list[DocumentBatch]:
+    """The documents grouped by length (up to 8 tokens, 16, 32, ...), each group padded to its own
+    longest: attention work follows each document's length, not the batch's longest document's."""
+    lq, lk = docs.q_valid.sum(1), docs.k_valid.sum(1)
+    key = torch.ceil(torch.log2(torch.maximum(lq, lk).clamp(min=8).float())).long()
+    if key.numel() == 0:
+        return [docs]
+    out = []
+    for u in torch.unique(key).tolist():
+        sel = (key == u).nonzero().flatten()
+        mq, mk = int(lq[sel].max()), int(lk[sel].max())
+        out.append(DocumentBatch(docs.q_index[sel, :mq], docs.q_valid[sel, :mq], docs.k_index[sel, :mk],
+                                 docs.k_valid[sel, :mk]))
+    return out
+
+
 def _by_document(q, k, v, spec: MaskSpec, scale, dropout, kv_for_q, masks):
-    """Packed rows: gather every document into a batch of its own ([documents, longest document]),
+    """Packed rows: gather the documents into batches of their own (grouped by length, `_buckets`),
     attend there, scatter back. Work and memory grow with the documents' lengths, not the row's. Taken
-    when it does at least 8x less attention work than the row-long mask (the gather and scatter cost
-    the rest; measured crossover on CPU: ~400-token rows of ~17-token documents)."""
+    when it does at least 8x less attention work than the row-long mask (the gathers and the scatter
+    cost the rest)."""
     key = ("documents", id(spec.q), id(spec.k))
     if key not in masks:
         docs = DocumentBatch.build(spec.q, spec.k)
-        mask = None
-        if docs is not None and DOCUMENT_WORK_RATIO * docs.q_valid.numel() * docs.k_valid.shape[1] > \
+        buckets = None if docs is None else _buckets(docs)
+        if buckets is not None and DOCUMENT_WORK_RATIO * sum(d.q_valid.numel() * d.k_valid.shape[1] for d in buckets) > \
                 q.shape[0] * spec.q.plan.padded * spec.k.plan.padded:
-            docs = None  # short rows: one row-long mask is cheaper
-        if docs is not None:
-            lq, lk = docs.q_valid.shape[1], docs.k_valid.shape[1]
+            buckets = None  # short rows: one row-long mask is cheaper
+        plans = []
+        for d in buckets or ():
+            lq, lk = d.q_valid.shape[1], d.k_valid.shape[1]
             if spec.causal and spec.window is None:
                 mask = "causal"  # padding sits at each document's end: causal queries never reach it
             else:
-                mask = docs.k_valid[:, None, None, :]  # [n, 1, 1, Lk]
+                mask = d.k_valid[:, None, None, :]  # [n, 1, 1, Lk]
                 i, j = torch.arange(lq, device=q.device)[:, None], torch.arange(lk, device=q.device)[None, :]
                 if spec.causal:
                     mask = mask & (j <= i) & (i - j < spec.window)
-        masks[key] = (docs, mask)
-    docs, mask = masks[key]
-    if docs is None:
+            plans.append((d, mask, d.q_index[d.q_valid]))
+        masks[key] = (plans, torch.cat([index for _, _, index in plans])) if plans else None
+    if masks[key] is None:
         return None
+    plans, q_rows = masks[key]
     b, h, s_q, d = q.shape
-
-    def gather(x, index):  # [b, heads, s, d] -> [n, heads, L, d]
-        flat = x.transpose(1, 2).reshape(-1, x.shape[1], d)  # [b * s, heads, d]
-        return flat.index_select(0, index.flatten()).view(*index.shape, x.shape[1], d).transpose(1, 2)
-
-    causal = isinstance(mask, str)
+    causal = isinstance(plans[0][1], str)
     k, v, gqa = _expand_kv(q, k, v, kv_for_q, not causal)
-    out = F.scaled_dot_product_attention(gather(q, docs.q_index), gather(k, docs.k_index), gather(v, docs.k_index),
-                                         attn_mask=None if causal else mask, dropout_p=dropout, is_causal=causal,
-                                         scale=scale, enable_gqa=gqa)
-    out = out.transpose(1, 2)[docs.q_valid]  # [n, h, Lq, d] -> [real queries, h, d]
-    full = out.new_zeros(b * s_q, h, d).index_copy(0, docs.q_index[docs.q_valid], out)
+    # [b, heads, s, d] -> [b * s, heads, d] once; each group gathers its rows from there
+    flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(-1, x.shape[1], d) for x in (q, k, v))
+
+    def gather(flat, index):  # -> [n, heads, L, d]
+        return flat.index_select(0, index.flatten()).view(*index.shape, flat.shape[1], d).transpose(1, 2)
+
+    outs = []
+    for docs, mask, _ in plans:
+        out = F.scaled_dot_product_attention(gather(flat_q, docs.q_index), gather(flat_k, docs.k_index),
+                                             gather(flat_v, docs.k_index), attn_mask=None if causal else mask,
+                                             dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2)[docs.q_valid])  # [n, h, Lq, d] -> [real queries, h, d]
+    full = outs[0].new_zeros(b * s_q, h, d).index_copy(0, q_rows, torch.cat(outs))
     return full.view(b, s_q, h, d).transpose(1, 2)  # -> [b, h, s_q, d]
 
 
