@@ -116,6 +116,8 @@ def _decoder_only_plan(family: ModelFamily, group) -> dict:
                 "use tp_size=1 (Ulysses / ring work for it)")
     plan = {}
     for key, style in base.items():
+        if key == "embed_tokens":  # transformers 5.17 adds it for tied embeddings; parallelised below (vocab-parallel)
+            continue
         if style == _COLWISE:
             plan[key] = ColwiseParallel()
         elif style == _ROWWISE:

@@ -161,6 +161,41 @@ class SequenceParallelMixin:
                 dist.all_reduce(local, group=self.layout.dp_sp_group)
                 local.div_(n)
 
+    # ---- gradient norm of DTensor models -----------------------------------------------------------
+
+    def _clip_grad_norm(self, model):  # private Trainer hook, pinned in test_compat
+        if not checkpoint.is_sharded(model):
+            return super()._clip_grad_norm(model)
+        return self._sharded_grad_norm(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):  # private Trainer hook, pinned in test_compat
+        if grad_norm is None and checkpoint.is_sharded(model):
+            grad_norm = self._sharded_grad_norm(model, float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    @staticmethod
+    def _sharded_grad_norm(model, max_norm: float) -> torch.Tensor:
+        """Norm (and clip) of gradients that live on several meshes (TP DTensors, FSDP's, plain ones): one
+        norm per mesh with torch's placement-aware `get_total_norm` (a replicated DTensor counts once),
+        then their norm. transformers 5.17's Trainer summed every DTensor's local norm over the mesh, which
+        counts TP's replicated norm weights t times."""
+        from torch.distributed.tensor import DTensor
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+        groups: dict = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        norms = []
+        for params in groups.values():
+            norm = get_total_norm([p.grad for p in params])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if max_norm != float("inf"):
+            for params in groups.values():
+                clip_grads_with_norm_(params, max_norm, total)
+        return total
+
     # ---- checkpoints of DTensor models: plain, full ones --------------------------------------------
 
     def save_model(self, output_dir=None, _internal_call=False):
@@ -178,7 +213,18 @@ class SequenceParallelMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _compat.SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):  # private Trainer hook, pinned in test_compat
-        if checkpoint_dir is None or not checkpoint.is_sharded(self.model):
+        if checkpoint_dir is None:
+            return None
+        if not checkpoint.is_sharded(self.model):
+            if self.args.device.type == "cpu" and self.args.world_size > 1 and not self.is_fsdp_enabled:
+                # transformers 5.17 maps the optimizer state to args.device, "cpu:0" under a CPU process
+                # group, which torch.load cannot restore; the state is the same on every rank: load on "cpu"
+                optimizer_file = os.path.join(checkpoint_dir, _compat.OPTIMIZER_NAME)
+                scheduler_file = os.path.join(checkpoint_dir, _compat.SCHEDULER_NAME)
+                if os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file):
+                    self.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+                    self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+                return None
             return super()._load_optimizer_and_scheduler(checkpoint_dir)
         state = torch.load(os.path.join(checkpoint_dir, _compat.OPTIMIZER_NAME), weights_only=True)
         checkpoint.load_full_optimizer_state_dict(self.model, _compat.unwrap_optimizer(self.optimizer), state)
