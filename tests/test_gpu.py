@@ -60,34 +60,26 @@ def _packed_attention(device, dtype, doc, window, q, k, v):
     return [out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves], cache
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_packed_attention_on_cuda_takes_the_varlen_kernel_and_matches_the_cpu(window):
-    """Packed (and windowed) whole-sequence attention on CUDA in bf16 builds no [s, s] mask: the varlen
-    flash kernel over documents, equal to the dense-mask CPU path (fp32), forward and backward."""
+@pytest.mark.parametrize("dtype,lengths,window,path,tol", [
+    (torch.bfloat16, (5, 9, 3, 15), None, "segments", 2e-2),  # the varlen flash kernel
+    (torch.bfloat16, (5, 9, 3, 15), 3, "segments", 2e-2),  # ... with a sliding window
+    (torch.float32, (32,) * 16, None, "documents", 1e-5),  # no fp32 flash kernel: document by document
+])
+def test_packed_attention_on_cuda_builds_no_row_long_mask_and_matches_the_cpu(dtype, lengths, window, path, tol):
+    """Packed (and windowed) whole-sequence attention on CUDA builds no [s, s] mask: bf16 takes the varlen
+    flash kernel over documents, fp32 (long rows of short documents) goes document by document; both equal
+    the dense-mask CPU path (fp32), forward and backward."""
     from seqpar_hf import _compat
 
     assert _compat.varlen_attention() is not None, f"torch {torch.__version__}: varlen_attn lacks scale/window_size"
     torch.manual_seed(0)
-    doc = torch.tensor([[0] * 5 + [1] * 9 + [2] * 3 + [3] * 15])  # [1, 32]
-    q, k, v = (torch.randn(1, 4, 32, 16) for _ in range(3))
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    q, k, v = (torch.randn(1, 4, doc.shape[1], 16) for _ in range(3))
     want, _ = _packed_attention("cpu", torch.float32, doc, window, q, k, v)
-    got, cache = _packed_attention("cuda", torch.bfloat16, doc, window, q, k, v)
-    assert any(key[0] == "segments" for key in cache) and not any(key[0] == "full" for key in cache)
+    got, cache = _packed_attention("cuda", dtype, doc, window, q, k, v)
+    assert any(key[0] == path for key in cache) and not any(key[0] == "full" for key in cache)
     for g, w in zip(got, want):
-        assert relative_error(g, w) < 2e-2
-
-
-def test_packed_fp32_on_cuda_goes_by_document():
-    """fp32 has no flash kernel: long rows of short documents attend document by document (memory
-    grows with the documents, not the row), equal to the CPU."""
-    torch.manual_seed(0)
-    doc = torch.arange(16).repeat_interleave(32)[None]  # 16 documents of 32 tokens in a row of 512
-    q, k, v = (torch.randn(1, 4, 512, 16) for _ in range(3))
-    want, _ = _packed_attention("cpu", torch.float32, doc, None, q, k, v)
-    got, cache = _packed_attention("cuda", torch.float32, doc, None, q, k, v)
-    assert any(key[0] == "documents" for key in cache) and not any(key[0] == "full" for key in cache)
-    for g, w in zip(got, want):
-        assert relative_error(g, w) < 1e-5
+        assert relative_error(g, w) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
