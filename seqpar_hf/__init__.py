@@ -4,7 +4,8 @@ from .models.patch import (gather_logits, gather_sequence, is_patched, model_kin
                            unpatch_model)
 from .parallel.layout import ParallelLayout
 from .training.callbacks import TimeBudgetCallback
-from .training.trainer import SequenceParallelArguments, SequenceParallelTrainer
+from .training.arguments import SequenceParallelArguments
+from .training.trainer import SequenceParallelTrainer
 
 __all__ = ["ParallelLayout", "patch_model", "unpatch_model", "is_patched", "sp_disabled", "model_kind",
            "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer",

@@ -89,9 +89,10 @@ def register_data_loader(accelerator, data_loader) -> None:
 # --- transformers ----------------------------------------------------------------------------------
 
 
-def trainer_train_batch_size(trainer) -> int:
-    """`Trainer._train_batch_size`: the per-device batch size after auto batch-size search."""
-    return trainer._train_batch_size
+def attn_implementation(config) -> str | None:
+    """The attention implementation a model's config selects (`PretrainedConfig._attn_implementation`;
+    transformers has a setter, `set_attn_implementation`, but no public getter)."""
+    return config._attn_implementation
 
 
 def seq2seq_gen_kwargs(trainer) -> dict:

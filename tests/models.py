@@ -88,8 +88,9 @@ SEQ2SEQ = ("marian", "bart", "mbart", "pegasus", "m2m100")
 def build_model(family: str, seed: int = 0, **config_kwargs):
     torch.manual_seed(seed)
     config = (seq2seq_config if family in SEQ2SEQ else causal_config)(family, **config_kwargs)
-    config._attn_implementation = "eager" if family in EAGER_ONLY else "sdpa"
-    return MODEL_CLASSES[family](config).float()
+    model = MODEL_CLASSES[family](config).float()
+    model.set_attn_implementation("eager" if family in EAGER_ONLY else "sdpa")
+    return model
 
 
 EAGER_ONLY = ("gemma2",)  # transformers 5.24 has no SDPA path for Gemma 2

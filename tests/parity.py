@@ -46,10 +46,10 @@ def run_case(case: dict) -> dict:
         reference.gradient_checkpointing_enable()
     batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
     mine = batches[layout.dp_rank]
-    seqpar_hf.patch_model(model, layout, **case.get("patch", {}))
+    patch = dict(case.get("patch", {}))
     if case.get("chunk_elements"):  # small chunks: the tiled loss runs over several of them
-        import seqpar_hf.models.loss as loss_module
-        loss_module.TILED_LOSS_CHUNK_ELEMENTS = case["chunk_elements"]
+        patch["tiled_chunk_elements"] = case["chunk_elements"]
+    seqpar_hf.patch_model(model, layout, **patch)
     if case.get("deepcopy"):  # a deep copy of the patched model is a patched model on the same layout
         original, model = model, copy.deepcopy(model)
         with torch.no_grad():
@@ -101,12 +101,4 @@ def run_case(case: dict) -> dict:
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
-    import seqpar_hf.models.loss as loss_module
-    default = loss_module.TILED_LOSS_CHUNK_ELEMENTS
-    out = []
-    for c in cases:
-        try:
-            out.append(run_case(c))
-        finally:
-            loss_module.TILED_LOSS_CHUNK_ELEMENTS = default
-    return out
+    return [run_case(c) for c in cases]

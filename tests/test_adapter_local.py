@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
 
 import seqpar_hf
+from seqpar_hf import _compat
 
 from .models import MODEL_CLASSES, SEQ2SEQ, build_model, make_batch, relative_error
 
@@ -37,12 +38,12 @@ def test_sp1_patched_equals_unpatched(family):
 
 def test_unpatch_restores_the_plain_model():
     model = build_model("marian")
-    implementation = model.config._attn_implementation
+    implementation = _compat.attn_implementation(model.config)
     seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
-    assert seqpar_hf.is_patched(model) and model.config._attn_implementation == "seqpar_hf"
+    assert seqpar_hf.is_patched(model) and _compat.attn_implementation(model.config) == "seqpar_hf"
     seqpar_hf.unpatch_model(model)
     assert not seqpar_hf.is_patched(model)
-    assert model.config._attn_implementation == implementation
+    assert _compat.attn_implementation(model.config) == implementation
     assert "forward" not in model.__dict__ and "generate" not in model.__dict__
     assert not any(hasattr(m, "_seqpar_site") for m in model.modules())
     assert all(not m._forward_pre_hooks for m in model.modules())
@@ -54,7 +55,7 @@ def test_patch_is_per_instance():
     first = build_model("marian")
     second = type(first)(first.config)
     seqpar_hf.patch_model(first, seqpar_hf.ParallelLayout(sp_size=1))
-    assert second.config._attn_implementation == "sdpa"
+    assert _compat.attn_implementation(second.config) == "sdpa"
     assert not any(hasattr(m, "_seqpar_site") for m in second.modules())
 
 
@@ -82,7 +83,7 @@ def test_generate_runs_without_sp_and_matches(family):
     if family not in SEQ2SEQ:
         inputs = {"input_ids": batch["input_ids"][:1, 3:], "attention_mask": batch["attention_mask"][:1, 3:]}
     assert torch.equal(model.generate(**inputs, **kwargs), reference.generate(**inputs, **kwargs))
-    assert model.config._attn_implementation == "seqpar_hf"  # back to SP after generation
+    assert _compat.attn_implementation(model.config) == "seqpar_hf"  # back to SP after generation
 
 
 def test_saved_patched_model_is_a_plain_checkpoint(tmp_path):

@@ -46,18 +46,19 @@ def test_patched_model_on_cuda_bf16(family):
 
 
 def _packed_attention(device, dtype, doc, window, q, k, v):
-    """(outputs and input gradients, the forward's mask cache) of whole-sequence packed attention."""
+    """(outputs and input gradients, the forward's pattern with what it built) of whole-sequence packed attention."""
     from seqpar_hf.attention import kernels
     from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+    from seqpar_hf.attention.pattern import Pattern
     from seqpar_hf.parallel.sharding import ShardPlan
 
     meta = SeqMeta(ShardPlan.build(doc.shape[1], 1, 0), None, doc.to(device))
     spec = MaskSpec(meta, meta, causal=True, window=window)
-    cache = {}
+    pattern = Pattern(spec)
     leaves = [t.detach().to(device, dtype).requires_grad_() for t in (q, k, v)]
-    out = kernels.attention(*leaves, spec, 0.25, 0.0, None, cache)
+    out = kernels.attention(*leaves, pattern, 0.25, 0.0, None)
     out.backward(torch.ones_like(out))
-    return [out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves], cache
+    return [out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves], pattern
 
 
 @pytest.mark.parametrize("dtype,lengths,window,path,tol", [
@@ -76,8 +77,9 @@ def test_packed_attention_on_cuda_builds_no_row_long_mask_and_matches_the_cpu(dt
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     q, k, v = (torch.randn(1, 4, doc.shape[1], 16) for _ in range(3))
     want, _ = _packed_attention("cpu", torch.float32, doc, window, q, k, v)
-    got, cache = _packed_attention("cuda", dtype, doc, window, q, k, v)
-    assert any(key[0] == path for key in cache) and not any(key[0] == "full" for key in cache)
+    from seqpar_hf.attention.pattern import MISSING
+    got, pattern = _packed_attention("cuda", dtype, doc, window, q, k, v)
+    assert getattr(pattern, path) not in (MISSING, None) and pattern.full is MISSING
     for g, w in zip(got, want):
         assert relative_error(g, w) < tol
 

@@ -75,6 +75,7 @@ def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeyp
     gives the dense mask's outputs and gradients (fp64)."""
     from seqpar_hf.attention import kernels
     from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+    from seqpar_hf.attention.pattern import Pattern
     from seqpar_hf.parallel.sharding import ShardPlan
 
     lens = [3, 17, 5, 40, 9, 2, 70, 12, 6, 33]
@@ -89,10 +90,10 @@ def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeyp
     results = []
     for ratio in (0, 1e9):  # always by document / never
         monkeypatch.setattr(kernels, "DOCUMENT_WORK_RATIO", ratio)
-        cache = {}
-        out = kernels.attention(q, k, v, spec, 0.25, 0.0, None, cache)
+        pattern = Pattern(spec)
+        out = kernels.attention(q, k, v, pattern, 0.25, 0.0, None)
         results.append([out, *torch.autograd.grad((out * out.detach().cos()).sum(), (q, k, v))])
-        groups = [len(c[0]) for key, c in cache.items() if key[0] == "documents" and c]
+        groups = [len(pattern.documents[0])] if pattern.documents else []
         assert groups == ([5] if ratio == 0 else [])
     for got, want in zip(*results):
         assert (got - want).abs().max() < 1e-12

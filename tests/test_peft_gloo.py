@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar_hf
+from seqpar_hf import _compat
 
 from .models import build_model, make_batch, relative_error
 
@@ -113,7 +114,7 @@ def _merge_generate_save():
                          zip(merged.parameters(), plain_merged.parameters()) if q.grad is not None))
     seqpar_hf.unpatch_model(merged)
     out["unpatched_merged_is_plain"] = (not seqpar_hf.is_patched(merged)
-                                        and merged.config._attn_implementation == "sdpa"
+                                        and _compat.attn_implementation(merged.config) == "sdpa"
                                         and "forward" not in merged.model.__dict__)
     return out
 

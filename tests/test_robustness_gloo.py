@@ -59,8 +59,10 @@ def _bad_inputs():
     results["submodule-called-directly"] = _attempt(submodule_called_directly)
 
     def custom_attention():
+        from transformers import AttentionInterface
+        AttentionInterface.register("my_kernel", AttentionInterface["sdpa"])
         model = build_model("marian")
-        model.config._attn_implementation = "my_kernel"
+        model.set_attn_implementation("my_kernel")
         seqpar_hf.patch_model(model, layout)
     results["unsupported-attention"] = _attempt(custom_attention)
 

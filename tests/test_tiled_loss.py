@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import seqpar_hf
-import seqpar_hf.models.loss as loss_module
 
 from .models import VOCAB, build_model, make_batch, relative_error
 from .parity import _grad_errors
@@ -17,18 +16,17 @@ from .parity import _grad_errors
 TOL = 1e-5
 
 
-def _pair(family: str, tiled, **model_kwargs):
+def _pair(family: str, tiled, patch=None, **model_kwargs):
     model = build_model(family, **model_kwargs)
     reference = copy.deepcopy(model)
-    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss=tiled)
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss=tiled, **(patch or {}))
     return model, reference
 
 
 @pytest.mark.parametrize("family,smoothing", [("marian", 0.0), ("marian", 0.1), ("llama", 0.0), ("llama", 0.1),
                                               ("gemma2", 0.0), ("m2m100", 0.0)])
-def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing, monkeypatch):
-    monkeypatch.setattr(loss_module, "TILED_LOSS_CHUNK_ELEMENTS", VOCAB * 4)  # several chunks
-    model, reference = _pair(family, True)
+def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing):
+    model, reference = _pair(family, True, dict(tiled_chunk_elements=VOCAB * 4))  # several chunks
     batch = make_batch(family, seed=3, **(dict(left_pad=False) if family == "gemma2" else {}))
     out = model(**batch, label_smoothing=smoothing)
     assert out.logits is None  # never materialised
@@ -47,14 +45,12 @@ def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing, monkeypat
     assert err < TOL, name
 
 
-def test_auto_tiles_training_above_the_threshold_only(monkeypatch):
-    model, _ = _pair("llama", "auto")
+def test_auto_tiles_training_above_the_threshold_only():
     batch = make_batch("llama", seed=3)
     rows, length = batch["input_ids"].shape
+    model, _ = _pair("llama", "auto")
     assert model(**batch).logits is not None  # small: plain loss
-    monkeypatch.setattr(loss_module, "TILED_LOSS_MIN_ELEMENTS", rows * length * VOCAB)
-    from seqpar_hf.models import patch as patch_module
-    monkeypatch.setattr(patch_module, "TILED_LOSS_MIN_ELEMENTS", rows * length * VOCAB)
+    model, _ = _pair("llama", "auto", dict(tiled_min_elements=rows * length * VOCAB))
     assert model(**batch).logits is None  # at the threshold: tiled
     model.eval()
     assert model(**batch).logits is not None  # evaluation returns logits
@@ -65,6 +61,8 @@ def test_tiled_loss_false_and_tp_refusal():
     assert model(**make_batch("marian", seed=1)).logits is not None
     with pytest.raises(ValueError, match="tiled_loss"):
         seqpar_hf.patch_model(build_model("marian"), seqpar_hf.ParallelLayout(sp_size=1), tiled_loss="yes")
+    with pytest.raises(ValueError, match="tiled_chunk_elements must be a positive integer, got 0"):
+        seqpar_hf.patch_model(build_model("marian"), seqpar_hf.ParallelLayout(sp_size=1), tiled_chunk_elements=0)
 
 
 def test_tiled_loss_never_holds_the_logits():

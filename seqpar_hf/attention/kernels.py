@@ -1,7 +1,7 @@
 """The attention math on one rank, written once.
 
 - `attention`: SDPA over whole sequences for some heads (Ulysses after its all-to-all), with the
-  mask built once per forward (`masks.MaskSpec.full_mask`); on CUDA, packed or windowed attention
+  mask built once per forward and pattern (`pattern.Pattern`); on CUDA, packed or windowed attention
   in fp16 / bf16 takes the varlen flash kernel instead, with no mask (fp32 has no flash kernel: packed
   rows go document by document, `_by_document`).
 - `block_forward` / `block_backward`: one block of queries against one block of keys, returning /
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from .masks import DocumentBatch, MaskSpec, segments
+from .masks import DocumentBatch, segments
+from .pattern import MISSING, Pattern
 
 
 def _expand_kv(q, k, v, kv_for_q, mask_present: bool):
@@ -32,26 +33,24 @@ def _expand_kv(q, k, v, kv_for_q, mask_present: bool):
     return k.index_select(1, index), v.index_select(1, index), False  # [b, h_kv, s, d] -> [b, h, s, d]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, scale: float, dropout: float,
-              kv_for_q: tuple[int, ...] | None, masks: dict) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float, dropout: float,
+              kv_for_q: tuple[int, ...] | None) -> torch.Tensor:
     """q [b, h, S_q, d], k/v [b, h_kv, S_k, d] over whole padded sequences -> [b, h, S_q, d].
 
     `kv_for_q` gives each query head's kv head (grouped-query attention); None: one to one.
-    `masks` is the forward's cache, so the mask is built once per forward, not per layer.
+    Masks and document plans are built once per forward and pattern, not per layer.
     Fully masked rows (padding queries) give zeros, as SDPA does.
     """
+    spec = pattern.spec
     if q.device.type == "cuda" and not spec.trivial and dropout == 0.0:
-        out = _varlen(q, k, v, spec, scale, kv_for_q, masks)
+        out = _varlen(q, k, v, pattern, scale, kv_for_q)
         if out is not None:
             return out
     if spec.q.doc is not None:
-        out = _by_document(q, k, v, spec, scale, dropout, kv_for_q, masks)
+        out = _by_document(q, k, v, pattern, scale, dropout, kv_for_q)
         if out is not None:
             return out
-    key = ("full", id(spec))
-    if key not in masks:
-        masks[key] = spec.full_mask(q.device)
-    mask, is_causal = masks[key]
+    mask, is_causal = pattern.full_mask(q.device)
     k, v, gqa = _expand_kv(q, k, v, kv_for_q, mask is not None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and q.shape[2] > 1,
                                           scale=scale, enable_gqa=gqa)
@@ -82,13 +81,13 @@ def _buckets(docs: DocumentBatch) -> list[DocumentBatch]:
     return out
 
 
-def _by_document(q, k, v, spec: MaskSpec, scale, dropout, kv_for_q, masks):
+def _by_document(q, k, v, pattern: Pattern, scale, dropout, kv_for_q):
     """Packed rows: gather the documents into batches of their own (grouped by length, `_buckets`),
     attend there, scatter back. Work and memory grow with the documents' lengths, not the row's. Taken
     when it does at least 8x less attention work than the row-long mask (the gathers and the scatter
     cost the rest)."""
-    key = ("documents", id(spec.q), id(spec.k))
-    if key not in masks:
+    spec = pattern.spec
+    if pattern.documents is MISSING:
         docs = DocumentBatch.build(spec.q, spec.k)
         buckets = None if docs is None else _buckets(docs)
         if buckets is not None and DOCUMENT_WORK_RATIO * sum(d.q_valid.numel() * d.k_valid.shape[1] for d in buckets) > \
@@ -105,10 +104,10 @@ def _by_document(q, k, v, spec: MaskSpec, scale, dropout, kv_for_q, masks):
                 if spec.causal:
                     mask = mask & (j <= i) & (i - j < spec.window)
             plans.append((d, mask, d.q_index[d.q_valid]))
-        masks[key] = (plans, torch.cat([index for _, _, index in plans])) if plans else None
-    if masks[key] is None:
+        pattern.documents = (plans, torch.cat([index for _, _, index in plans])) if plans else None
+    if pattern.documents is None:
         return None
-    plans, q_rows = masks[key]
+    plans, q_rows = pattern.documents
     b, h, s_q, d = q.shape
     causal = isinstance(plans[0][1], str)
     k, v, gqa = _expand_kv(q, k, v, kv_for_q, not causal)
@@ -128,19 +127,19 @@ def _by_document(q, k, v, spec: MaskSpec, scale, dropout, kv_for_q, masks):
     return full.view(b, s_q, h, d).transpose(1, 2)  # -> [b, h, s_q, d]
 
 
-def _varlen(q, k, v, spec: MaskSpec, scale, kv_for_q, masks):
+def _varlen(q, k, v, pattern: Pattern, scale, kv_for_q):
     """Packed / windowed self-attention on CUDA through the varlen flash kernel: documents (and runs
     of padding) become segments of one flattened batch, so no [s, s] mask exists. None if the pattern
     is not expressible that way (cross-attention, padding inside a document)."""
+    spec = pattern.spec
     varlen_attn = _compat.varlen_attention()
     if varlen_attn is None or spec.q is not spec.k or spec.q.doc is None and spec.window is None:
         return None
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256:
         return None  # flash kernels: half precision, head dim a multiple of 8 up to 256
-    key = ("segments", id(spec.q))
-    if key not in masks:
-        masks[key] = segments(spec.q)
-    seg = masks[key]
+    if pattern.segments is MISSING:
+        pattern.segments = segments(spec.q)
+    seg = pattern.segments
     if seg is None:
         return None
     cu, longest = seg

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.comm import _all_gather_single as all_gather_single, group_size
+from ..parallel.comm import all_gather_into, group_size
 
 FIELDS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
           "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "decoder_position_ids")
@@ -51,7 +51,7 @@ def check_same_batch(inputs: dict, training: bool, group, device) -> None:
         return
     mine = fingerprint(inputs, training, device)
     everyone = mine.new_empty((n, *mine.shape))
-    all_gather_single(everyone, mine.unsqueeze(0), group=group)  # [n, fields, slots]
+    all_gather_into(everyone, mine.unsqueeze(0), group=group)  # [n, fields, slots]
     everyone = everyone.tolist()
     if all(rows == everyone[0] for rows in everyone):
         return

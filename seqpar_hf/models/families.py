@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .. import _compat
+
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -135,7 +137,7 @@ def inspect_model(model: nn.Module) -> ModelFamily:
     name = type(pretrained).__name__
     if config is None:
         raise ValueError(f"seqpar_hf patches transformers models (PreTrainedModel); {name} has no config")
-    attn = config._attn_implementation
+    attn = _compat.attn_implementation(config)
     if attn not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"{name} uses attn_implementation={attn!r}; seqpar_hf replaces one of "
                          f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (load the model with attn_implementation='sdpa')")

@@ -43,8 +43,10 @@ def _mask(mask, what: str) -> torch.Tensor | None:
     return mask.bool()
 
 
-def _plan(layout: ParallelLayout, length: int, causal: bool) -> ShardPlan:
-    # causal sequences are balanced across a ring by zigzag order (ShardPlan ignores it without a ring)
+def shard_plan(layout: ParallelLayout, length: int, causal: bool) -> ShardPlan:
+    """Which tokens of a `length`-token sequence this rank holds: the one place plans are made, so a
+    language-model forward shards its labels exactly as the backbone below it shards the tokens.
+    Causal sequences are balanced across a ring by zigzag order (ShardPlan ignores it without a ring)."""
     return ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag=causal,
                            tp_size=layout.sizes.tp_size)
 
@@ -125,9 +127,9 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
         doc = documents_from_positions(position_ids.expand(b, -1))
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s)
-    plan = _plan(layout, s, causal=True)
+    plan = shard_plan(layout, s, causal=True)
     full_pos, local_pos = _positions(plan, position_ids, device)
-    extra = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
+    ids = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
     _tokens(plan, kw, "input_ids", "inputs_embeds", pad_id)
     meta = _meta(plan, mask, doc, b, device)
     # a 2D mask keeps transformers from re-detecting packing on the local positions; our attention
@@ -135,8 +137,7 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     kw["attention_mask"] = plan.shard(meta.valid) if meta.valid is not None else torch.ones(
         b, plan.local_length, dtype=torch.bool, device=device)
     kw["position_ids"] = local_pos
-    return ForwardContext(layout, {"decoder": meta}, {"decoder": local_pos}, {"decoder": full_pos}, local_outputs,
-                          {"ids": extra})
+    return ForwardContext(layout, {"decoder": meta}, {"decoder": local_pos}, {"decoder": full_pos}, local_outputs, ids)
 
 
 def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
@@ -168,12 +169,12 @@ def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: 
                          "(target), restarting at 0 for every pair")
     if src_pos is not None:
         src_doc, tgt_doc = _pair_documents(src_pos.expand(b, -1), tgt_pos.expand(b, -1), src_mask, tgt_mask)
-    src, tgt = _plan(layout, s_src, causal=False), _plan(layout, s_tgt, causal=True)
+    src, tgt = shard_plan(layout, s_src, causal=False), shard_plan(layout, s_tgt, causal=True)
     src_full, src_local = _positions(src, src_pos, device)
     tgt_full, tgt_local = _positions(tgt, tgt_pos, device)
-    extra = {}
+    ids = {}
     if keep_ids:
-        extra = {side: plan.pad(kw[key], pad_id) for side, plan, key in (("encoder", src, "input_ids"),
+        ids = {side: plan.pad(kw[key], pad_id) for side, plan, key in (("encoder", src, "input_ids"),
                                                                        ("decoder", tgt, "decoder_input_ids"))
                  if kw.get(key) is not None}
     _tokens(src, kw, "input_ids", "inputs_embeds", pad_id)
@@ -183,4 +184,4 @@ def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: 
         kw[key] = plan.shard(meta.valid) if meta.valid is not None else None
     return ForwardContext(layout, {"encoder": src_meta, "decoder": tgt_meta},
                           {"encoder": src_local, "decoder": tgt_local}, {"encoder": src_full, "decoder": tgt_full},
-                          local_outputs, {"ids": extra})
+                          local_outputs, ids)

@@ -21,14 +21,24 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.comm import group_size, group_sum
+from .labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-
-# Tiling is on (training, "auto") when this rank's logits would hold at least this many elements
-# (2^26: 256 MiB in fp32, before cross-entropy's fp32 log-softmax and the gradient of the same size).
+# Defaults of patch_model's tiled-loss thresholds. Tiling is on (training, "auto") when this rank's logits
+# would hold at least this many elements (2^26: 256 MiB in fp32, before cross-entropy's fp32 log-softmax
+# and the gradient of the same size).
 TILED_LOSS_MIN_ELEMENTS = 1 << 26
 # Logit elements per chunk (2^24: 64 MiB in fp32): large enough that the head's matmul stays efficient.
 TILED_LOSS_CHUNK_ELEMENTS = 1 << 24
+
+# Gradient scaling, in one place. Each rank back-propagates only its own shard, and data-parallel wrappers
+# (DDP, FSDP) AVERAGE gradients over every rank that holds the same weights: dp x sp of them.
+# - Over the SP group, the loss is the sum of the ranks' partial token sums (`group_mean_loss` through
+#   `comm.group_sum`), whose backward multiplies by sp: the wrapper's average over the group's ranks
+#   becomes their sum, the gradient of the replica's loss.
+# - Over data-parallel replicas, the trainer divides by the labelled tokens of the whole global batch
+#   (`num_items_in_batch`, counted over every replica) and multiplies by dp (`global_batch_loss`): the
+#   wrapper's average over replicas becomes their sum, the gradient of the global batch's mean loss.
+#   Without the trainer (plain DDP, no num_items_in_batch), each replica's mean loss is averaged: plain DP.
 
 
 def label_count(labels: torch.Tensor, group) -> torch.Tensor:
@@ -49,13 +59,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: 
 
 def tiled_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
                          vocab_size: int, label_smoothing: float = 0.0,
-                         chunk_elements: int | None = None) -> torch.Tensor:
+                         chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
     """`token_loss_sum(head(hidden), labels)` without the [tokens, vocab] logits: hidden [..., d] is the
     LM head's input, `head` maps [n, d] -> [n, V] logits (the model's head and what follows it)."""
     hidden = hidden.flatten(0, -2)
     keep = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
     hidden, targets = hidden.index_select(0, keep), labels.flatten().to(hidden.device).index_select(0, keep)
-    chunk = max(1, (chunk_elements or TILED_LOSS_CHUNK_ELEMENTS) // vocab_size)
+    chunk = max(1, chunk_elements // vocab_size)
     total = None
     # at least one (maybe empty) chunk: the head's weights join the graph even with no labelled token
     for start in range(0, max(1, hidden.shape[0]), chunk):
@@ -69,14 +79,12 @@ def _chunk_loss(hidden, targets, head, label_smoothing):
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum", label_smoothing=label_smoothing)
 
 
-def group_mean_loss(token_sum: torch.Tensor, labels: torch.Tensor, group, grad_scale: float,
+def group_mean_loss(token_sum: torch.Tensor, labels: torch.Tensor, group, sp_size: int,
                     num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """The group's mean loss from this rank's sum of token losses and its shard of the labels.
-
-    `num_items_in_batch` replaces the label count as denominator (gradient accumulation and data
-    parallelism count tokens over several batches). `grad_scale` (= sp_size) makes world-averaging
-    wrappers such as DDP sum over the SP group."""
-    total = group_sum(token_sum, group, grad_scale)
+    """The group's mean loss from this rank's sum of token losses and its shard of the labels (see the
+    scaling note above). `num_items_in_batch` replaces the label count as denominator (gradient
+    accumulation and data parallelism count tokens over several batches)."""
+    total = group_sum(token_sum, group, float(sp_size))
     if num_items_in_batch is None:
         denominator = label_count(labels, group)
     else:
@@ -84,10 +92,7 @@ def group_mean_loss(token_sum: torch.Tensor, labels: torch.Tensor, group, grad_s
     return total / denominator.to(total.dtype)
 
 
-def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group, grad_scale: float,
-                           num_items_in_batch: int | torch.Tensor | None = None,
-                           label_smoothing: float = 0.0) -> torch.Tensor:
-    """logits [b, s_loc, V] and labels [b, s_loc] (this rank's shard, already aligned: labels[t] is
-    the target of logits[t]) -> the group's mean loss."""
-    return group_mean_loss(token_loss_sum(logits, labels, label_smoothing), labels, group, grad_scale,
-                           num_items_in_batch)
+def global_batch_loss(loss: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """A replica's share of the global batch's loss (num_items_in_batch counted over every replica), scaled
+    so that the data-parallel wrapper's average over replicas is their sum (see the scaling note above)."""
+    return loss * dp_size

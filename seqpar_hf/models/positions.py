@@ -87,7 +87,7 @@ class M2M100PositionsHook:
         if ctx is None:
             return None
         meta, plan = ctx.seqs[self.side], ctx.plan(self.side)
-        ids = ctx.extra["ids"].get(self.side)  # [b, S_pad] full token ids, or None (inputs_embeds)
+        ids = ctx.ids.get(self.side)  # [b, S_pad] full token ids, or None (inputs_embeds)
         pad = module.padding_idx
         full = ctx.full_positions[self.side]
         if ids is None:  # from embeddings: sequential positions from padding_idx + 1

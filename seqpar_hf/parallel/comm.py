@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 # torch >= 2.13 renamed all_gather_into_tensor (same semantics); 2.11 only has the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_size(group) -> int:
@@ -89,13 +89,8 @@ def heads_to_seq(y: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
 
 
 class GroupSum(torch.autograd.Function):
-    """Sum a per-rank partial over the SP group; backward scales the gradient by `grad_scale`.
-
-    Each rank back-propagates only through its own shard of the graph. Data-parallel wrappers
-    (DDP, FSDP, ZeRO) then *average* gradients over the whole world, i.e. over dp_size * sp_size
-    ranks; multiplying by sp_size here turns that average into "sum over the SP group, mean over
-    DP replicas", which is exactly the gradient of plain DP over dp_size replicas.
-    """
+    """Sum a per-rank partial over the group; backward scales the gradient by `grad_scale` (the loss
+    passes sp: why, in the scaling note of `seqpar_hf.models.loss`)."""
 
     @staticmethod
     def forward(ctx, x, group, grad_scale):
@@ -120,7 +115,7 @@ def _gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if n == 1:
         return x
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)  # [n * x0, ...]: rank blocks along dim 0
+    all_gather_into(out, x.contiguous(), group=group)  # [n * x0, ...]: rank blocks along dim 0
     return torch.cat(out.chunk(n, dim=0), dim=dim)  # rank blocks along `dim`, in group order
 
 
@@ -136,7 +131,8 @@ class GatherSequence(torch.autograd.Function):
 
     Used where code after the sharded part runs identically on every rank of the group (a foreign
     loss on full hidden states): each rank then holds the group's full gradient there, and scaling the
-    slice by sp makes world-averaging wrappers (DDP, FSDP) sum the shards, as `GroupSum` does.
+    slice by sp makes world-averaging wrappers (DDP, FSDP) sum the shards, as `GroupSum` does (see the
+    scaling note of `seqpar_hf.models.loss`).
     """
 
     @staticmethod

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from ..models.labels import IGNORE_INDEX
 
 
 def pack_pairs(lengths: Sequence[tuple[int, int]], max_tokens: int) -> list[list[int]]:

@@ -27,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - exercised without trl installed
 
 from ..models.patch import is_patched, patch_model
 from ..parallel.layout import ParallelLayout
-from .trainer import SequenceParallelFields, SequenceParallelMixin
+from .arguments import SequenceParallelFields
+from .trainer import SequenceParallelMixin
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""The entry point of sequence-parallel attention: Ulysses inside a group, ring across groups.
+
+mode "ulysses" has no ring (ring_size 1), "ring" no Ulysses (ulysses_size 1), "hybrid" both: the
+all-to-all gives each rank some heads over the sequence its Ulysses group holds, and the ring passes
+K/V blocks between Ulysses groups for those heads (USP, Fang & Zhao 2024, arXiv 2405.07719).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel.layout import ParallelLayout
+from . import kernels
+from .pattern import MISSING, Pattern
+from .ring import RingPlan, ring_attention
+from .ulysses import ulysses_attention
+
+
+def ring_plan(layout: ParallelLayout, pattern: Pattern, device) -> RingPlan:
+    """This rank's ring plan for `pattern`, built once per forward."""
+    if pattern.ring is MISSING:
+        spec, ring = pattern.spec, layout.sizes.ring_size
+        q_index = spec.q.plan.ring_index(layout.ring_rank, device)  # [s_q / ring] global positions
+        k_index = [spec.k.plan.ring_index(j, device) for j in range(ring)]
+        pattern.ring = RingPlan.build(spec, layout.ring_group, layout.ring_ranks, layout.ring_rank, q_index, k_index)
+    return pattern.ring
+
+
+def attend(layout: ParallelLayout, pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scale: float, dropout: float) -> torch.Tensor:
+    """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] (this rank's tokens) -> [b, h, s_q/sp, d]."""
+    if layout.sizes.ring_size == 1:
+        def inner(q, k, v, kv_for_q):
+            return kernels.attention(q, k, v, pattern, scale, dropout, kv_for_q)
+    else:
+        if dropout > 0:
+            raise NotImplementedError(f"ring attention does not support attention dropout (got {dropout}); set the "
+                                      "model's attention_dropout to 0 or use mode='ulysses'")
+        plan = ring_plan(layout, pattern, q.device)
+
+        def inner(q, k, v, kv_for_q):
+            return ring_attention(q, k, v, plan, scale, kv_for_q)
+    if layout.ulysses_size == 1:
+        rep = q.shape[1] // k.shape[1]
+        return inner(q, k, v, None if rep == 1 else tuple(i // rep for i in range(q.shape[1])))
+    return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner)

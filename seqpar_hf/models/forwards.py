@@ -1,0 +1,215 @@
+"""The instance forwards a patched model runs: where sequences are sharded and the loss is computed.
+
+- `BackboneForward` (the backbone: `model.base_model`, e.g. LlamaModel, MarianModel) is the level every
+  entry point passes through: the model's own forward, PEFT wrappers, TRL's fused LM head (which calls
+  the backbone directly), a deep copy. It shards its full inputs, builds the forward's context, runs the
+  layers, and gathers its outputs back to the full sequence, so whatever code runs on top computes what
+  it computes on the unpatched model (at the cost of running that head on the full sequence).
+- `LMForward` (the language model's own forward), given labels, asks the backbone for this rank's shard
+  instead and computes the loss over the SP group: logits stay [b, s/sp, vocab] per rank. It shards its
+  labels with the plan it knows the backbone uses (`inputs.shard_plan` of what it passes down): the data
+  flows one way, the backbone never reports back. Without labels it returns what the unpatched model does.
+- `GenerateWithoutSP`: generation runs the plain model on this rank's own inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.comm import gather_sequence as gather_full
+from ..parallel.layout import ParallelLayout
+from . import labels as labels_
+from . import tensor_parallel
+from .checks import check_same_batch
+from .context import CONTEXT_KWARG, ForwardContext
+from .head import TiledHead
+from .inputs import shard_causal, shard_plan, shard_seq2seq
+from .loss import IGNORE_INDEX, group_mean_loss, tiled_token_loss_sum, token_loss_sum
+from .rng import per_rank_stream
+from .state import PatchState, Request
+
+_INCREMENTAL = ("cache", "past_key_values", "encoder_outputs")
+_SEQUENCE_OUTPUTS = ("last_hidden_state", "hidden_states", "decoder_hidden_states", "encoder_last_hidden_state",
+                     "encoder_hidden_states")
+
+
+class _Wrapper:
+    """Base of the instance-level wrappers: keeps the wrapped callable, its signature and its name."""
+
+    def __init__(self, state: PatchState, original):
+        self.state, self.original = state, original
+        functools.update_wrapper(self, original)
+        params = inspect.signature(original).parameters
+        self.parameters = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+    def named(self, args, kwargs) -> dict:
+        """Keyword arguments only, naming positional ones the way the wrapped forward does."""
+        return {**dict(zip(self.parameters, args)), **kwargs} if args else kwargs
+
+
+def _incremental(kwargs) -> bool:
+    return any(kwargs.get(k) is not None for k in _INCREMENTAL)
+
+
+def _device(kwargs: dict, module) -> torch.device:
+    return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)),
+                next(module.parameters()).device)
+
+
+def _require_process_group(layout: ParallelLayout) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"this model is patched for sequence parallelism ({layout}) but no process group is "
+                           "initialised any more; call seqpar_hf.unpatch_model(model) to use it in one process")
+
+
+class BackboneForward(_Wrapper):
+    """The backbone's forward: shard the full batch, run the layers, gather (or keep) the outputs."""
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        if state.detached:
+            return self.original(*args, **kwargs)
+        kwargs = self.named(args, kwargs)
+        if state.plain_depth or _incremental(kwargs):
+            with state.without_sp():  # incremental decoding: no SP, this rank's own data
+                return self.original(**kwargs)
+        request = state.take_request()  # a language-model forward's, for this call only
+        layout, family = state.layout, state.family
+        if layout.enabled:
+            _require_process_group(layout)
+            if state.check_inputs and not (request is not None and request.checked):
+                check_same_batch(kwargs, family.backbone.training, layout.sp_group, _device(kwargs, family.backbone))
+        if kwargs.get("output_attentions"):
+            raise NotImplementedError("output_attentions is not available under sequence parallelism")
+        if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
+            raise NotImplementedError("output_hidden_states is not available with tensor parallelism")
+        return_dict = kwargs.pop("return_dict", None)
+        shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
+        ctx = shard(layout, kwargs, state.pad_id, local_outputs=request is not None, keep_ids=state.keep_ids)
+        if self.takes_kwargs:  # travels with the layers' kwargs (and with gradient checkpointing)
+            kwargs[CONTEXT_KWARG] = ctx
+        training = family.backbone.training
+        device = ctx.positions["decoder"].device
+        rng = per_rank_stream(layout.sp_rank, device) if training and layout.enabled else contextlib.nullcontext()
+        with state.running(ctx), state.layerdrop.decide(training and layout.enabled), rng:
+            out = self.original(**kwargs, return_dict=True)
+        if request is None:
+            state.outputs = None  # returned whole
+        out = _gather_outputs(out, ctx, everything=request is None)
+        return out if return_dict is not False else out.to_tuple()
+
+
+def _gather_outputs(out, ctx: ForwardContext, everything: bool):
+    """Sequence-sharded outputs -> the full sequence. Under tensor parallelism, first the whole
+    SP-local sequence on every TP rank (a TP rank holds a slice of it after the last norm). Router
+    logits always (a load-balancing loss on top counts every token); hidden states unless the caller
+    takes this rank's shard."""
+    layout = ctx.layout
+    group, scale = layout.sp_group, float(layout.sp_size)
+    if layout.sizes.tp_size > 1:
+        for key in ("last_hidden_state", "encoder_last_hidden_state"):
+            if out.get(key) is not None:
+                out[key] = tensor_parallel.gather_tp(out[key], layout.mesh["tp"])
+    batch = out[0].shape[0]
+    for key in list(out.keys()):
+        value = out[key]
+        plan = ctx.plan("encoder" if key.startswith("encoder_") else "decoder")
+        if key == "router_logits" and value is not None:
+            # per layer [b * s_loc, E] -> [b, s_loc, E] -> [b, S, E] -> [b * S, E]
+            out[key] = tuple(gather_full(r.view(batch, -1, r.shape[-1]), plan, group, scale).flatten(0, 1)
+                             for r in value)
+        elif everything and key in _SEQUENCE_OUTPUTS and value is not None:
+            if isinstance(value, tuple):
+                out[key] = tuple(gather_full(t, plan, group, scale) for t in value)
+            else:
+                out[key] = gather_full(value, plan, group, scale)
+    return out
+
+
+class LMForward(_Wrapper):
+    """The language model's forward: with labels, this rank's shard of the logits and the group's loss."""
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        if state.detached:
+            return self.original(*args, **kwargs)
+        kwargs = self.named(args, kwargs)
+        if state.plain_depth or _incremental(kwargs):
+            with state.without_sp():
+                return self.original(**kwargs)
+        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        label_smoothing = kwargs.pop("label_smoothing", 0.0)
+        if labels is None and shift_labels is None:
+            return self.original(**kwargs)  # nothing to compute here: what the unpatched model returns
+        if kwargs.get("logits_to_keep", 0) not in (0, None):
+            raise ValueError("logits_to_keep is not supported with labels under sequence parallelism")
+        return_dict = kwargs.pop("return_dict", None)
+        layout, family = state.layout, state.family
+        model = family.pretrained
+        if layout.enabled:
+            _require_process_group(layout)
+            if state.check_inputs:
+                check_same_batch({**kwargs, "labels": labels, "shift_labels": shift_labels}, model.training,
+                                 layout.sp_group, _device(kwargs, model))
+        targets = labels_.targets(family.kind, labels, shift_labels)  # on the full sequence
+        if family.kind == "seq2seq" and kwargs.get("decoder_input_ids") is None \
+                and kwargs.get("decoder_inputs_embeds") is None:
+            kwargs["decoder_input_ids"] = labels_.decoder_inputs(model, labels, kwargs.get("decoder_position_ids"))
+        kwargs["use_cache"] = False  # no cache under SP: its lengths would be local
+        plans = _output_plans(family.kind, layout, kwargs)  # the plans the backbone will use
+        head = TiledHead.make(state, model, targets) if model.training else None
+        with state.handing(Request(checked=True)), (head or contextlib.nullcontext()):
+            out = self.original(**kwargs, return_dict=True)
+            bypassed = state.request is not None  # the backbone forward takes the request
+        if bypassed:
+            raise RuntimeError(f"seqpar_hf: {type(model).__name__}'s forward did not run its backbone "
+                               f"({type(family.backbone).__name__}); cannot compute a sequence-parallel loss")
+        if head is not None and head.hidden is None:
+            raise RuntimeError(f"seqpar_hf: {type(model).__name__}'s forward did not call its output embeddings; "
+                               "patch it with tiled_loss=False")
+        state.outputs = plans
+        device = head.hidden.device if head is not None else out.logits.device
+        local_labels = plans["decoder"].pad_and_shard(targets.to(device), IGNORE_INDEX)
+        if head is not None:  # no [tokens, vocab] logits: head + cross-entropy in checkpointed chunks
+            token_sum = tiled_token_loss_sum(head.hidden, local_labels, head.logits, head.vocab_size, label_smoothing,
+                                             head.chunk_elements)
+        else:
+            token_sum = token_loss_sum(out.logits, local_labels, label_smoothing)
+        loss = group_mean_loss(token_sum, local_labels, layout.sp_group, layout.sp_size, num_items)
+        aux = out.get("aux_loss")
+        if aux is not None:  # MoE load balancing, from the gathered router logits: same on every rank
+            coef = getattr(model, "router_aux_loss_coef", None)
+            loss = loss + (model.config.router_aux_loss_coef if coef is None else coef) * aux.to(loss.device)
+        dropped = ("loss", "logits") if head is not None else ("loss",)  # tiled: there are no logits
+        out = type(out)(loss=loss, **{k: v for k, v in out.items() if k not in dropped})
+        return out if return_dict is not False else out.to_tuple()
+
+
+def _length(kwargs: dict, ids: str, embeds: str) -> int | None:
+    x = kwargs.get(ids) if kwargs.get(ids) is not None else kwargs.get(embeds)
+    return None if x is None else x.shape[1]
+
+
+def _output_plans(kind: str, layout: ParallelLayout, kwargs: dict) -> dict:
+    """The shard plans of the sequences the backbone will shard, from the inputs passed down to it."""
+    sides = {"decoder": ("decoder_input_ids", "decoder_inputs_embeds"), "encoder": ("input_ids", "inputs_embeds")} \
+        if kind == "seq2seq" else {"decoder": ("input_ids", "inputs_embeds")}
+    lengths = {side: _length(kwargs, *keys) for side, keys in sides.items()}
+    return {side: shard_plan(layout, n, causal=side == "decoder") for side, n in lengths.items() if n is not None}
+
+
+class GenerateWithoutSP(_Wrapper):
+    """`generate` runs the plain model on this rank's own inputs (incremental decoding has no sequence to split)."""
+
+    def __call__(self, *args, **kwargs):
+        if self.state.detached:
+            return self.original(*args, **kwargs)
+        with self.state.without_sp():
+            return self.original(*args, **kwargs)

@@ -1,0 +1,47 @@
+"""Labels as the unpatched model uses them, computed once, on the FULL sequence, before any sharding.
+
+Causal LMs predict token t+1 at position t: the shift happens on the whole sequence, so the token after
+a shard boundary keeps its label. Encoder-decoder models take their labels as they are and build their
+decoder inputs from them (shifted right behind the start token). Every caller (the patched forward,
+the trainer's token counts) goes through these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def targets(kind: str, labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s] targets aligned with the positions: targets[:, t] is what position t must predict."""
+    if kind == "seq2seq":
+        return labels
+    if shift_labels is not None:
+        return shift_labels
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def count(kind: str, labels: torch.Tensor) -> torch.Tensor:
+    """Labelled tokens of a batch (causal: after the shift, so the first token's label never counts)."""
+    return (targets(kind, labels) != IGNORE_INDEX).sum()
+
+
+def decoder_inputs(model, labels: torch.Tensor, decoder_position_ids=None) -> torch.Tensor:
+    """Decoder inputs from the FULL labels, as the model builds them (shifted right, -100 -> pad, the
+    start token first). Packed rows start every pair's target with `decoder_start_token_id`."""
+    config = model.config
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    start = config.decoder_start_token_id
+    if decoder_position_ids is None and prepare is not None:
+        return prepare(labels=labels)
+    if start is None:
+        raise ValueError(f"{type(model).__name__} has no decoder_start_token_id: pass decoder_input_ids with packed "
+                         "rows (each pair's target starting with its start token)")
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    ids = labels.new_full(labels.shape, start)
+    ids[:, 1:] = labels[:, :-1]
+    ids = ids.masked_fill(ids == IGNORE_INDEX, pad)
+    if decoder_position_ids is not None:
+        ids = torch.where(decoder_position_ids.expand_as(ids) == 0, torch.full_like(ids, start), ids)
+    return ids

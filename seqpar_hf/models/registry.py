@@ -1,0 +1,102 @@
+"""What transformers calls: the attention function and the mask function registered under "seqpar_hf".
+
+Registering a name is process-wide, but only a patched model's own copy of its config selects it, so
+every other model keeps its attention. The attention function finds its module's `AttentionSite` and
+the forward's context (in the layer kwargs), and runs sequence-parallel attention; the mask function
+builds no mask (attention takes padding, documents and windows from the context) after checking that
+the model asks for a pattern the sharded kernels reproduce.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .context import CONTEXT_KWARG
+from .state import ATTN_NAME, site_of
+
+
+def _pattern_key(fn):
+    """A hashable identity for a mask function: its code and the simple values it closes over
+    (transformers builds a new closure per mask, e.g. one per sliding window size)."""
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if callable(value):
+            value = _pattern_key(value)
+        elif not isinstance(value, (int, float, bool, str, type(None))):
+            return None
+        cells.append(value)
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code, tuple(cells))
+
+
+_CHECKED: set = set()  # mask functions (by _pattern_key) already found acceptable; a pure function of the key
+
+
+def _check_mask_pattern(mask_function) -> None:
+    """Refuse mask patterns other than causal, bidirectional and causal sliding-window. The pattern is
+    read off the function on a small grid of CPU tensors, once per kind of mask function."""
+    key = _pattern_key(mask_function)
+    if key is not None and key in _CHECKED:
+        return
+    n = 12
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    try:
+        got = torch.as_tensor(mask_function(torch.tensor(0), torch.tensor(0), q, kv)).expand(n, n)
+    except Exception:  # noqa: BLE001 - an unreadable pattern is refused below
+        got = None
+    if got is not None:
+        tril = kv <= q
+        seen = int((got & tril)[-1].sum())  # keys the last query sees: the window, if any
+        if bool(got.all()) or torch.equal(got, tril) or torch.equal(got, tril & (q - kv < seen)):
+            if key is not None:
+                _CHECKED.add(key)
+            return
+    name = getattr(mask_function, "__name__", type(mask_function).__name__)
+    raise NotImplementedError(f"seqpar_hf shards causal, bidirectional and causal sliding-window attention; this model "
+                              f"asked for another mask pattern ({name!r}: chunked, prefix or custom masks are not "
+                              "supported)")
+
+
+def sp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+            **kwargs):
+    """Mask function: no mask for the layers. Sequence-parallel attention takes padding, documents and
+    windows from the forward's context (identical on every rank, so every rank makes the same decisions)."""
+    if mask_function is not None:
+        _check_mask_pattern(mask_function)
+    return None
+
+
+def sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                 sliding_window=None, **kwargs):
+    """Attention function: query [b, h, s_q/sp, d], key/value [b, h_kv, s_k/sp, d] -> [b, s_q/sp, h, d]."""
+    site = site_of(module)
+    if site is None:
+        raise RuntimeError(f"{type(module).__name__} has attn_implementation={ATTN_NAME!r} but was not patched by "
+                           "seqpar_hf.patch_model (a model rebuilt from a patched config?); build it from the "
+                           "original config, or patch the model itself")
+    ctx = kwargs.get(CONTEXT_KWARG) or site.state.active
+    if ctx is None:
+        raise RuntimeError(
+            f"seqpar_hf: the sequence-parallel attention of {site.name} ran outside a sharded forward of the patched "
+            f"model: a submodule (the encoder, a decoder layer, ...) was called directly. Call the patched model or "
+            f"its backbone, run the code inside `with seqpar_hf.sp_disabled(model):` (no SP, this rank's own data), "
+            f"or call seqpar_hf.unpatch_model(model) first")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("output_attentions is not available under sequence parallelism")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{site.name}: attention soft-capping and sinks are not supported under sequence "
+                                  "parallelism")
+    causal = bool(module.is_causal if is_causal is None else is_causal)
+    out = site.attend(ctx, query, key, value, causal, sliding_window, scaling, dropout)  # [b, h, s_q/sp, d]
+    return out.transpose(1, 2), None  # [b, s_q/sp, h, d]
+
+
+@functools.cache
+def register() -> None:
+    AttentionInterface.register(ATTN_NAME, sp_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sp_mask)

@@ -1,0 +1,144 @@
+"""Per-instance state of a patched model: its layout and structure, the settings it was patched with, the
+switches a forward reads, and the record of what `patch_model` changed (so that `unpatch_model` undoes
+exactly that). One `PatchState` per patched model, reachable from the model, its transformers model and
+its backbone; one `AttentionSite` per patched attention module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from ..attention import dispatch
+from ..parallel.layout import ParallelLayout
+from ..parallel.sharding import ShardPlan
+from .context import ForwardContext
+from .families import ModelFamily, unwrap
+from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
+from .rng import LayerDropSync
+
+ATTN_NAME = "seqpar_hf"  # the attention implementation a patched model's own config selects
+_STATE = "_seqpar_state"  # on the patched model, its transformers model and its backbone
+_SITE = "_seqpar_site"  # on each patched attention module
+
+
+@dataclass(frozen=True)
+class TiledLoss:
+    """When the training loss runs the LM head in checkpointed chunks (see `seqpar_hf.models.loss`)."""
+
+    setting: bool | str = "auto"  # True, False, or "auto": when this rank's logits would hold >= min_elements
+    min_elements: int = TILED_LOSS_MIN_ELEMENTS
+    chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a language-model forward asks of the backbone forward it runs: keep this rank's shard of the
+    outputs (the caller computes the loss on it); `checked`: the batch was already compared across ranks."""
+
+    checked: bool = True
+
+
+class AttentionSite:
+    """One attention module of a patched model: which sequences its queries and keys come from."""
+
+    def __init__(self, state: "PatchState", name: str, q_side: str, kv_side: str):
+        self.state, self.name, self.q_side, self.kv_side = state, name, q_side, kv_side
+
+    def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout):
+        """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        pattern = ctx.pattern(self.q_side, self.kv_side, causal, window)
+        return dispatch.attend(ctx.layout, pattern, q, k, v, scale, dropout)
+
+
+class PatchState:
+    def __init__(self, layout: ParallelLayout, family: ModelFamily, attn_implementation: str, check_inputs: bool,
+                 tiled: TiledLoss):
+        self.layout, self.family, self.attn_implementation = layout, family, attn_implementation
+        self.check_inputs, self.tiled = check_inputs, tiled
+        config = family.pretrained.config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        self.keep_ids = any(p.kind == "m2m100" for p in family.positions)
+        # The sharded backbone forward running now. Position modules read it from their hooks: transformers
+        # calls them with no way to pass the context along (the layers get it through their kwargs).
+        self.active: ForwardContext | None = None
+        # Plans of the last forward's outputs when they were this rank's shard (None: returned whole), for
+        # gather_logits / gather_sequence; set by whichever wrapper returned them to the caller.
+        self.outputs: dict[str, ShardPlan] | None = None
+        self.request: Request | None = None  # handed from the LM forward to the backbone forward, one call
+        self.plain_depth = 0  # > 0 while running without SP (generation, sp_disabled)
+        self.detached = False  # set by unpatch_model: wrappers someone still holds become pass-through
+        self.hooks = []
+        self.replaced: list[tuple[object, str, bool, object]] = []  # (object, attribute, had one, previous value)
+        self.layerdrop = LayerDropSync(family.layer_stacks)
+
+    def __getstate__(self):  # deepcopy: a copy starts with no forward running
+        return {**self.__dict__, "active": None, "outputs": None, "request": None}
+
+    @contextlib.contextmanager
+    def without_sp(self):
+        """Run the plain model (its original attention implementation) on this rank's data."""
+        model = self.family.pretrained
+        if self.plain_depth == 0:
+            model.set_attn_implementation(self.attn_implementation)
+        self.plain_depth += 1
+        try:
+            yield
+        finally:
+            self.plain_depth -= 1
+            if self.plain_depth == 0:
+                model.set_attn_implementation(ATTN_NAME)
+
+    @contextlib.contextmanager
+    def handing(self, request: Request):
+        """Hand `request` to the next backbone forward (which takes it, for that call only)."""
+        previous, self.request = self.request, request
+        try:
+            yield
+        finally:
+            self.request = previous
+
+    def take_request(self) -> Request | None:
+        request, self.request = self.request, None
+        return request
+
+    @contextlib.contextmanager
+    def running(self, ctx: ForwardContext):
+        previous, self.active = self.active, ctx
+        try:
+            yield
+        finally:
+            self.active = previous
+
+
+def state_of(model) -> PatchState | None:
+    """The live patch state of a model (or of the transformers model inside a PEFT wrapper), or None."""
+    for obj in (model, unwrap(model), getattr(unwrap(model), "base_model", None)):
+        state = getattr(obj, _STATE, None) if obj is not None else None
+        if state is not None and not state.detached:
+            return state
+    return None
+
+
+def attach(state: PatchState, objects) -> None:
+    for obj in {id(o): o for o in objects}.values():
+        setattr(obj, _STATE, state)
+
+
+def detach(state: PatchState, objects) -> None:
+    for obj in objects:
+        if getattr(obj, _STATE, None) is state:
+            delattr(obj, _STATE)
+
+
+def site_of(module) -> AttentionSite | None:
+    """The `AttentionSite` of a patched attention module (benchmarks swap its `attend`), or None."""
+    return getattr(module, _SITE, None)
+
+
+def set_site(module, site: AttentionSite | None) -> None:
+    if site is not None:
+        setattr(module, _SITE, site)
+    elif hasattr(module, _SITE):
+        delattr(module, _SITE)

@@ -1,0 +1,56 @@
+"""Training arguments with the parallel layout: `SequenceParallelFields` (the layout fields, shared with the
+TRL configs) and `SequenceParallelArguments` (= `Seq2SeqTrainingArguments` + the layout)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Seq2SeqTrainingArguments
+
+from ..parallel.layout import MODES, validate_sizes
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@dataclass
+class SequenceParallelFields:
+    """The layout fields every sequence-parallel training-arguments class carries."""
+
+    sp_size: int = field(default=1, metadata={"help": "Ranks that split each sequence (an SP group). The world "
+                                                      "size must be a multiple of sp_size x tp_size; data parallelism "
+                                                      "runs over the rest. 1 disables SP."})
+    sp_mode: str = field(default="ulysses", metadata={
+        "help": "ulysses: all-to-all of heads (needs sp_size <= attention heads); ring: K/V blocks passed around "
+                "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them.",
+        "choices": list(MODES)})
+    sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
+    tp_size: int = field(default=1, metadata={"help": "Megatron-style tensor + sequence parallelism over this many "
+                                                      "consecutive ranks (heads and MLP columns split, norms sharded "
+                                                      "along the sequence). 1 disables it."})
+
+    def _post_init_layout(self):
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            # a multi-process launch on a machine without GPUs: run the processes on CPU (gloo) rather than
+            # as unrelated single processes (accelerate does that unless ACCELERATE_USE_CPU=1 is set)
+            self.use_cpu = True
+
+    def _validate_layout(self):
+        validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size, self.tp_size)
+
+
+@dataclass
+class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` plus the parallel layout (`--sp_size 2` on the command line)."""
+
+    # transformers' default is 1800 s. A rank that dies mid-collective leaves the others waiting this long
+    # (when no launcher kills them first): 10 minutes still covers a checkpoint save on rank 0.
+    ddp_timeout: int = field(default=600, metadata={"help": "Timeout (s) of the process group's collectives."})
+
+    def __post_init__(self):
+        self._post_init_layout()
+        super().__post_init__()
+        self._validate_layout()  # fail before any collective

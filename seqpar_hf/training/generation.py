@@ -1,0 +1,52 @@
+"""Generation in the Trainer (`predict_with_generate`): without SP, each rank of a group generates a
+slice of the group's batch and the slices are gathered in order, so every rank returns the whole
+batch's tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ..models.patch import original_attn_implementation
+from ..parallel.layout import ParallelLayout
+from . import fsdp
+
+
+def generate_in_slices(model, layout: ParallelLayout, inputs: dict, gen_kwargs: dict, kwargs_fn=None,
+                       device=None) -> torch.Tensor:
+    """Tokens [rows, length] of the whole batch on every rank of the SP group; `kwargs_fn(inputs)` adds
+    per-slice `generate` arguments."""
+    rows = next(iter(inputs.values())).shape[0]
+    sp, rank = layout.sp_size, layout.sp_rank
+    bounds = [rows * i // sp for i in range(sp + 1)]  # contiguous slices keep the order
+    mine = {k: v[bounds[rank]:bounds[rank + 1]] for k, v in inputs.items()}
+    if kwargs_fn is not None and bounds[rank + 1] > bounds[rank]:
+        gen_kwargs = {**gen_kwargs, **kwargs_fn(mine)}
+    if layout.sizes.tp_size > 1:
+        # Under TP the norms are sharded along the sequence, which one decoding step (1 token) cannot
+        # be: generate with a plain copy holding the full weights (collective: every rank, here)
+        model = plain_copy(model)
+    with fsdp.full_parameters(model):  # collective: every rank, before the ranks' generations diverge
+        tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
+    if sp == 1:
+        return tokens
+    pieces = [None] * sp
+    dist.all_gather_object(pieces, None if tokens is None else tokens.cpu(), group=layout.sp_group)
+    pieces = [p for p in pieces if p is not None]
+    width = max(p.shape[-1] for p in pieces)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad) for p in pieces]
+    return torch.cat(pieces).to(device)
+
+
+def plain_copy(model):
+    """An unpatched, non-parallel copy of a tensor-parallel model with its full weights (for generation)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # full on every rank
+    plain = type(model)(copy.deepcopy(model.config))
+    plain.set_attn_implementation(original_attn_implementation(model) or "sdpa")
+    plain.load_state_dict(state, strict=False)
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.to(next(model.parameters()).device).eval()
