@@ -167,7 +167,7 @@ def main(argv=None):
         args.seq_lens = [64, 128]
     json_path = args.json or (None if args.quick else RESULTS / "activation_memory.json")
 
-    from tests.spawn import spawn
+    from tests.helpers.spawn import spawn
 
     layouts = layouts_for(args.sp, args.modes)
     world = max([1] + [sp for sp, _, _ in layouts])

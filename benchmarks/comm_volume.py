@@ -294,7 +294,7 @@ def main(argv=None):
         args.seq_len, args.tgt_len = 64, 48
     json_path = args.json or (None if args.quick else RESULTS / "comm_volume.json")
 
-    from tests.spawn import spawn
+    from tests.helpers.spawn import spawn
 
     layouts = layouts_for(args.sp, args.modes)
     world = max(sp for sp, _, _ in layouts)

@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from tests.spawn import spawn
+    from tests.helpers.spawn import spawn
 
     rows = []
     for world in args.world:

@@ -6,7 +6,7 @@ arXiv 2205.05198), for a Llama-like model.
     python benchmarks/parallel_styles.py --quick    # 128 tokens, prints the report, writes nothing
 
 (`HF_HUB_OFFLINE=1` is set by the script; it spawns its own 4 gloo processes, 1 torch thread each,
-via tests/spawn.py; ~1-2 min on 2 CPU cores.)
+via tests/helpers/spawn.py; ~1-2 min on 2 CPU cores.)
 
 Layouts, all on 4 processes (fp32, SDPA, dropout 0, batch 1, no padding, labels = input_ids):
 - `unsharded`: the plain model, one process (rank 0 alone; the reference);
@@ -627,7 +627,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_len = 128
-    from tests.spawn import spawn
+    from tests.helpers.spawn import spawn
 
     import transformers
     with tempfile.TemporaryDirectory() as tmp:  # the same weights, as checkpoints for transformers' own TP

@@ -169,7 +169,7 @@ def main(argv=None):
     if args.skip != "overhead":
         records += overhead(spec, args.seq_len, args.threads, args.warmup, args.reps)
     if args.skip != "long":
-        from tests.spawn import spawn
+        from tests.helpers.spawn import spawn
         records += spawn(_long_worker, 2, spec.name, args.long_len, args.warmup, args.long_reps, timeout=3600)[0]
         records.append(single_process(spec, args.long_len, args.threads, args.warmup, args.long_reps))
     print(report(records))

@@ -230,7 +230,7 @@ def main(argv=None):
     print(f"# seqpar_hf Ulysses vs DeepSpeed {deepspeed.__version__} DistributedAttention, fp32, batch 1, sp=2\n"
           f"{environment()}; 2 gloo processes x 1 torch thread\n")
 
-    from tests.spawn import spawn
+    from tests.helpers.spawn import spawn
     cfg = {k: getattr(args, k) for k in ("seq_lens", "heads", "kv_heads", "head_dim", "model", "model_len", "warmup",
                                           "reps", "long_reps", "model_reps")}
     records = spawn(_worker, 2, cfg, timeout=3600)[0]

@@ -12,7 +12,7 @@ from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGenera
 import seqpar_hf
 from seqpar_hf import _compat
 
-from .models import MODEL_CLASSES, SEQ2SEQ, build_model, make_batch, relative_error
+from .helpers.models import MODEL_CLASSES, SEQ2SEQ, build_model, make_batch, relative_error
 
 FAMILIES = list(MODEL_CLASSES)
 TOL = 1e-6  # same kernels on the same full sequence: only the loss reduction order differs

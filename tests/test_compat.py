@@ -13,7 +13,7 @@ import torch
 from seqpar_hf import _compat
 from seqpar_hf.attention import kernels
 
-from .models import relative_error
+from .helpers.models import relative_error
 
 
 def test_torch_device_mesh_flatten():
@@ -110,9 +110,16 @@ def test_tied_embedding_plan_entry_of_transformers_5_17_is_ours_to_parallelise()
     from seqpar_hf.models.families import inspect_model
     from seqpar_hf.models.tensor_parallel import _decoder_only_plan
 
-    from .models import build_model
+    from .helpers.models import build_model
 
     model = build_model("llama")
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
     plan = _decoder_only_plan(inspect_model(model), None)
     assert "embed_tokens" not in plan and "layers.*.self_attn.q_proj" in plan
+
+
+def test_transformers_config_attention_implementation_reads_back():
+    from .helpers.models import build_model
+    model = build_model("llama")
+    model.set_attn_implementation("eager")
+    assert _compat.attn_implementation(model.config) == "eager"

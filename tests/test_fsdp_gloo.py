@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import pytest
 
+from .runs.fsdp import LOOPS
+
 # AdamW divides by sqrt(v): where a gradient is tiny, its fp32 rounding (~1e-7 relative) becomes a
 # ~1e-5 relative difference in the step. The same loop with DDP instead of FSDP shows the same
-# (tests/fsdp_runs.py, ddp=True: Marian sp2 x dp2 1.9e-5 against FSDP's 2.2e-5), so parameters are
+# (tests/runs/fsdp.py, ddp=True: Marian sp2 x dp2 1.9e-5 against FSDP's 2.2e-5), so parameters are
 # compared at 1e-4, losses at 1e-5.
 PARAM_TOL, LOSS_TOL = 1e-4, 1e-5
 
-# (FSDP with TP on Marian: the Trainer's tp2xsp2-fsdp run in tests/test_trainer_gloo.py)
-LOOPS = [dict(name="sp2xdp2-llama", family="llama", sp=2), dict(name="sp2xdp2-marian", family="marian", sp=2),
-         dict(name="sp4-ring-llama", family="llama", sp=4, mode="ring"),
-         dict(name="sp2xdp2-llama-tiled-loss", family="llama", sp=2, tiled=True),
-         dict(name="tp2xsp2-llama", family="llama", sp=2, tp=2)]
-
 
 @pytest.fixture(scope="module")
-def loops(trainer_worlds):
-    return {r["name"]: r for r in trainer_worlds(4)["loops"]}
+def loops(spawned):
+    return {r["name"]: r for r in spawned("trainer", 4)[0]["loops"]}
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in LOOPS])

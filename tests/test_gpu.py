@@ -11,7 +11,7 @@ import torch
 import seqpar_hf
 from seqpar_hf.attention.kernels import block_backward, block_forward, math_backward as _math_backward, math_forward as _math_forward
 
-from .models import build_model, make_batch, relative_error
+from .helpers.models import build_model, make_batch, relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -1,6 +1,7 @@
 """Packed rows (several documents per row, no attention across them) under every SP mode: loss and
 every gradient equal the unpatched model on the same packed rows (decoder-only) or each pair run alone
-(encoder-decoder); bad packed input fails with an error naming the row. fp32."""
+(encoder-decoder); bad packed input fails with an error naming the row. fp32. In-rank bodies and
+cases: tests/runs/packing.py (sp=1 runs in this process)."""
 
 from __future__ import annotations
 
@@ -10,62 +11,46 @@ import torch
 import seqpar_hf
 from seqpar_hf.training.packing import Seq2SeqPackingCollator, pack_pairs
 
-from .models import build_model
-from .packing_runs import causal_packed_batch, run_case, run_cases
-from .spawn import spawn
+from .helpers.models import build_model
+from .runs.packing import CASES, causal_packed_batch, run_cases
 
 TOL = 1e-5  # fp32, relative (loss and every parameter gradient)
 
 
-def _cases(sp: int, modes) -> list[dict]:
-    cases = []
-    for mode, ring in modes:
-        base = dict(sp=sp, mode=mode, ring_size=ring)
-        tag = f"sp{sp}-{mode}"
-        cases += [dict(base, name=f"{tag}-llama", family="llama"),
-                  dict(base, name=f"{tag}-llama-no-flash-kwargs", family="llama", flash_kwargs=False),
-                  dict(base, name=f"{tag}-llama-two-rows", family="llama", rows=2),
-                  dict(base, name=f"{tag}-mistral-window-3", family="mistral", model=dict(sliding_window=3)),
-                  dict(base, name=f"{tag}-marian", family="marian"),
-                  dict(base, name=f"{tag}-bart", family="bart"),
-                  dict(base, name=f"{tag}-m2m100", family="m2m100"),
-                  dict(base, name=f"{tag}-llama-many-documents", family="llama", many=True),
-                  dict(base, name=f"{tag}-mistral-window-3-many-documents", family="mistral",
-                       model=dict(sliding_window=3), many=True),
-                  dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True)]
-    return cases
-
-
-def _cases_sp4() -> list[dict]:
-    # four ranks share two cores here: the documents that cross the most boundaries, each mode
-    keep = ("llama", "llama-many-documents", "marian", "m2m100")
-    return [c for c in _cases(4, [("ulysses", None), ("ring", None), ("hybrid", 2)])
-            if c["name"].split("-", 2)[2] in keep]
-
-
-CASES = {1: _cases(1, [("ulysses", None)]),
-         2: _cases(2, [("ulysses", None), ("ring", None)]),
-         4: _cases_sp4()}
+def _by_name(per_rank) -> dict:
+    out = {}
+    for rank_results in per_rank:
+        for r in rank_results:
+            out.setdefault(r["name"], []).append(r)
+    return out
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(spawned):
     cache = {}
 
-    def get(world):
-        if world not in cache:
-            per_rank = [run_cases(CASES[1])] if world == 1 else spawn(run_cases, world, CASES[world])
-            cache[world] = {}
-            for rank_results in per_rank:
-                for r in rank_results:
-                    cache[world].setdefault(r["name"], []).append(r)
-        return cache[world]
+    def get(size):
+        if size not in cache:
+            cache[size] = _by_name(spawned("packing", size))
+        return cache[size]
     return get
 
 
-@pytest.mark.parametrize("world,name", [pytest.param(w, c["name"], id=c["name"]) for w in CASES for c in CASES[w]])
-def test_packed_rows_are_exact(results, world, name):
-    for r in results(world)[name]:
+@pytest.fixture(scope="module")
+def one_process():
+    return _by_name([run_cases(CASES[1])])
+
+
+@pytest.mark.parametrize("size,name", [pytest.param(w, c["name"], id=c["name"]) for w in CASES if w > 1
+                                       for c in CASES[w]])
+def test_packed_rows_are_exact(results, size, name):
+    for r in results(size)[name]:
+        assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES[1]])
+def test_packed_rows_are_exact_at_sp1(one_process, name):
+    for r in one_process[name]:
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
 
 

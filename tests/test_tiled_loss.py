@@ -10,8 +10,8 @@ import torch
 
 import seqpar_hf
 
-from .models import VOCAB, build_model, make_batch, relative_error
-from .parity import _grad_errors
+from .helpers.models import VOCAB, build_model, make_batch, relative_error
+from .runs.parity import _grad_errors
 
 TOL = 1e-5
 

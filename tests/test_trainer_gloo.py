@@ -6,37 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from .spawn import spawn
-from .trainer_runs import run_many
+from .helpers.spawn import spawn
+from .runs.trainer import RESUME, SETUPS, run_many
 
 TOL = 1e-5  # relative, per logged value
 KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
-
-# name -> (world, run config): the same global batch of 8 everywhere, for training and evaluation
-# (13 eval examples: the last global batch is partial). Label smoothing is checked once (sp2-ls).
-SETUPS = {"sp2": (2, dict(sp=2, batch=8)), "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
-          "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)), "tp2": (2, dict(sp=1, tp=2, batch=8)),
-          "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)), "tp2xsp2": (4, dict(sp=2, tp=2, batch=8)),
-          "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
-          "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard")))}
-RESUME = {"sp2-tp1": dict(sp=2, tp=1), "sp1-tp2": dict(sp=1, tp=2), "sp2-fsdp": dict(sp=2, tp=1, fsdp=True)}
-
-
-def _world(world: int, resume_dir: str | None):
-    """Everything a world size checks, in one process group (process start-up is the slow part)."""
-    from .trainer_runs import data_and_prediction_checks, resume_run, run
-    out = {name: run(**config) for name, (w, config) in SETUPS.items() if w == world}
-    if world == 2:
-        out["resume"] = {name: resume_run(f"{resume_dir}/{name}", **config) for name, config in RESUME.items()}
-        from .trainer_runs import tp_generation_check
-        out["tp_generate"] = tp_generation_check()
-    if world == 4:
-        from .fsdp_runs import run_loops
-        from .test_fsdp_gloo import LOOPS
-        out["checks"] = {drop: data_and_prediction_checks(drop) for drop in (False, True)}
-        out["checks"]["fsdp"] = data_and_prediction_checks(False, fsdp=True)
-        out["loops"] = run_loops(LOOPS)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +20,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def worlds(trainer_worlds):
-    return trainer_worlds
+def worlds(spawned):
+    return lambda size: spawned("trainer", size)[0]
 
 
 def _values(logs):
@@ -104,7 +78,7 @@ def test_eval_steps_per_second_counts_sp_group_steps(checks):
 @pytest.fixture(scope="module")
 def plain_evals(worlds):
     """The final checkpoints, evaluated by plain transformers in one process (one spawn for both)."""
-    from .trainer_runs import plain_eval_many
+    from .runs.trainer import plain_eval_many
 
     layouts = list(worlds(2)["resume"])
     return dict(zip(layouts, spawn(plain_eval_many, 1, [worlds(2)["resume"][k]["checkpoint"] for k in layouts])[0]))

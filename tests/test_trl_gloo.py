@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from .spawn import spawn  # noqa: E402
-from .trl_runs import run_many  # noqa: E402
+from .helpers.spawn import spawn  # noqa: E402
+from .runs.trl_trainers import CASES, run_many  # noqa: E402
 
 # fp32; DPO margins are differences of summed log-probs: compared with an absolute floor of 1e-6
 TOL, FLOOR = 1e-5, 1e-6
@@ -19,32 +19,11 @@ KEYS = ("loss", "grad_norm", "eval_loss", "mean_token_accuracy", "entropy", "num
         "eval_entropy", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected", "eval_rewards/margins", "eval_logps/chosen")
 
-# name -> (sequence-parallel run, the one-process reference). Gradient accumulation compares with one
-# process accumulating the same micro-batches: TRL averages its token accuracy and entropy per micro-batch.
-CASES = {
-    "sft": (dict(), dict()),
-    "sft-peft": (dict(peft=True), dict(peft=True)),
-    "sft-accumulation": (dict(batch=2, accumulation=2), dict(batch=2, accumulation=2)),
-    "sft-packing": (dict(packing=True), dict(packing=True)),
-    "sft-peft-packing-checkpointing": (dict(peft=True, packing=True, checkpointing=True),
-                                       dict(peft=True, packing=True, checkpointing=True)),
-    "sft-ring": (dict(mode="ring"), dict()),
-    "sft-model-patched-by-the-trainer": (dict(patch_first=False), dict()),
-    "dpo-reference-a-deep-copy": (dict(trainer="dpo"), dict(trainer="dpo")),
-    "dpo-separate-reference": (dict(trainer="dpo", ref="separate"), dict(trainer="dpo")),
-}
-
-
-def _world2(configs):
-    """The TRL runs and the PEFT checks share one 2-process group (starting processes is the slow part)."""
-    from .test_peft_gloo import _all as peft_checks
-    return {"peft": peft_checks(), "trl": run_many(configs)}
-
 
 @pytest.fixture(scope="module")
-def logs(trl_world2):
+def logs(spawned):
     names = list(CASES)
-    ours = trl_world2[0]["trl"]
+    ours = spawned("trl", 2)[0]["trl"]
     unique_refs = {repr(sorted(CASES[n][1].items())): CASES[n][1] for n in names}
     refs = dict(zip(unique_refs, spawn(run_many, 1, [dict(sp=0, **c) for c in unique_refs.values()], timeout=600)[0]))
     return {n: (o, refs[repr(sorted(CASES[n][1].items()))]) for n, o in zip(names, ours)}

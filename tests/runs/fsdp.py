@@ -12,7 +12,7 @@ import seqpar_hf
 from seqpar_hf.training import checkpoint
 from seqpar_hf.training.fsdp import shard_model
 
-from .models import build_model, make_batch, relative_error
+from ..helpers.models import build_model, make_batch, relative_error
 
 
 def plain_loop(case: dict) -> dict:
@@ -61,3 +61,10 @@ def plain_loop(case: dict) -> dict:
 
 def run_loops(cases: list[dict]) -> list[dict]:
     return [plain_loop(c) for c in cases]
+
+
+# (FSDP with TP on Marian: the Trainer's tp2xsp2-fsdp run in tests/test_trainer_gloo.py)
+LOOPS = [dict(name="sp2xdp2-llama", family="llama", sp=2), dict(name="sp2xdp2-marian", family="marian", sp=2),
+         dict(name="sp4-ring-llama", family="llama", sp=4, mode="ring"),
+         dict(name="sp2xdp2-llama-tiled-loss", family="llama", sp=2, tiled=True),
+         dict(name="tp2xsp2-llama", family="llama", sp=2, tp=2)]

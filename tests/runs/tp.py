@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import seqpar_hf
 
-from .models import build_model, make_batch, relative_error
+from ..helpers.models import build_model, make_batch, relative_error
 from .parity import ZERO_GRAD_FLOOR
 
 
@@ -74,3 +74,50 @@ def run_case(case: dict) -> dict:
 
 def run_cases(cases: list[dict]) -> list[dict]:
     return [run_case(c) for c in cases]
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases, per world size, and the refusals
+
+def _cases_world2():
+    return [dict(name="tp2-llama-gqa", family="llama", sp=1, tp=2),
+            dict(name="tp2-marian", family="marian", sp=1, tp=2),
+            dict(name="tp2-bart", family="bart", sp=1, tp=2),
+            dict(name="tp2-qwen3", family="qwen3", sp=1, tp=2),
+            dict(name="tp2-llama-eval", family="llama", sp=1, tp=2, eval=True),
+            dict(name="tp2-marian-eval", family="marian", sp=1, tp=2, eval=True)]
+
+
+def _cases_world4():
+    # four ranks share two cores here: each family once per mode
+    cases = [dict(name="tp2xdp2-llama", family="llama", sp=1, tp=2),
+             dict(name="tp2xdp2-marian", family="marian", sp=1, tp=2),
+             dict(name="tp4-llama", family="llama", sp=1, tp=4, model=dict(kv_heads=4))]
+    cases += [dict(name=f"tp2xsp2-ulysses-{f}", family=f, sp=2, tp=2) for f in ("llama", "marian", "m2m100")]
+    cases += [dict(name=f"tp2xsp2-ring-{f}", family=f, sp=2, tp=2, mode="ring") for f in ("gemma", "bart")]
+    cases.append(dict(name="tp2xsp2-ulysses-marian-eval", family="marian", sp=2, tp=2, eval=True))
+    return cases
+
+
+CASES = {2: _cases_world2(), 4: _cases_world4()}
+
+
+
+def refusals() -> dict:
+    """Layouts that cannot work, each refused with its message (None: accepted)."""
+    layout = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)
+    out = {}
+    for name, family, kwargs in (("kv-heads", "llama", dict(heads=4, kv_heads=1)), ("heads", "marian", dict(heads=3)),
+                                 ("fused-qkv", "phi3", {}), ("experts", "mixtral", {})):
+        try:
+            seqpar_hf.patch_model(build_model(family, **kwargs), layout)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    try:
+        seqpar_hf.ParallelLayout(sp_size=2, tp_size=2)
+        out["world"] = None
+    except ValueError as exc:
+        out["world"] = str(exc)
+    return out
+

@@ -4,11 +4,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository instead of this script's folder (whose modules would shadow packages)
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from tests.trainer_runs import make_trainer  # noqa: E402
+from tests.runs.trainer import make_trainer  # noqa: E402
 
 
 class Inject(TrainerCallback):

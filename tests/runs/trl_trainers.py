@@ -15,7 +15,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
-from .models import VOCAB, build_model
+from ..helpers.models import VOCAB, build_model
 
 LOGGED = ("loss", "grad_norm", "eval_loss", "mean_token_accuracy", "entropy", "num_tokens", "eval_mean_token_accuracy",
           "eval_entropy", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -136,3 +136,19 @@ def run_many(configs: list[dict]) -> list[list[dict]]:
         fn = run_dpo if c.pop("trainer", "sft") == "dpo" else run_sft
         out.append(fn(**c))
     return out
+
+
+# name -> (sequence-parallel run, the one-process reference). Gradient accumulation compares with one
+# process accumulating the same micro-batches: TRL averages its token accuracy and entropy per micro-batch.
+CASES = {
+    "sft": (dict(), dict()),
+    "sft-peft": (dict(peft=True), dict(peft=True)),
+    "sft-accumulation": (dict(batch=2, accumulation=2), dict(batch=2, accumulation=2)),
+    "sft-packing": (dict(packing=True), dict(packing=True)),
+    "sft-peft-packing-checkpointing": (dict(peft=True, packing=True, checkpointing=True),
+                                       dict(peft=True, packing=True, checkpointing=True)),
+    "sft-ring": (dict(mode="ring"), dict()),
+    "sft-model-patched-by-the-trainer": (dict(patch_first=False), dict()),
+    "dpo-reference-a-deep-copy": (dict(trainer="dpo"), dict(trainer="dpo")),
+    "dpo-separate-reference": (dict(trainer="dpo", ref="separate"), dict(trainer="dpo")),
+}

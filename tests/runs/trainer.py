@@ -11,7 +11,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallba
 
 import seqpar_hf
 
-from .models import VOCAB, build_model
+from ..helpers.models import VOCAB, build_model
 
 
 def synthetic_dataset(n: int, seed: int) -> Dataset:
@@ -176,3 +176,13 @@ def tp_generation_check() -> dict:
         got = [t for t in generated[i].tolist() if t >= 0]
         mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
     return {"rows": len(generated), "mismatches": mismatches}
+
+
+# name -> (world, run config): the same global batch of 8 everywhere, for training and evaluation
+# (13 eval examples: the last global batch is partial). Label smoothing is checked once (sp2-ls).
+SETUPS = {"sp2": (2, dict(sp=2, batch=8)), "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
+          "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)), "tp2": (2, dict(sp=1, tp=2, batch=8)),
+          "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)), "tp2xsp2": (4, dict(sp=2, tp=2, batch=8)),
+          "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
+          "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard")))}
+RESUME = {"sp2-tp1": dict(sp=2, tp=1), "sp1-tp2": dict(sp=1, tp=2), "sp2-fsdp": dict(sp=2, tp=1, fsdp=True)}

@@ -16,7 +16,7 @@ from transformers import DataCollatorWithFlattening
 import seqpar_hf
 from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
-from .models import SEQ2SEQ, VOCAB, build_model, relative_error
+from ..helpers.models import SEQ2SEQ, VOCAB, build_model, relative_error
 from .parity import _grad_errors
 
 DOC_LENGTHS = (5, 9, 3, 7, 1, 6)  # 31 tokens: documents cross shard boundaries and ring hops
@@ -89,3 +89,38 @@ def run_case(case: dict) -> dict:
 
 def run_cases(cases: list[dict]) -> list[dict]:
     return [run_case(c) for c in cases]
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases, per world size
+
+def _cases(sp: int, modes) -> list[dict]:
+    cases = []
+    for mode, ring in modes:
+        base = dict(sp=sp, mode=mode, ring_size=ring)
+        tag = f"sp{sp}-{mode}"
+        cases += [dict(base, name=f"{tag}-llama", family="llama"),
+                  dict(base, name=f"{tag}-llama-no-flash-kwargs", family="llama", flash_kwargs=False),
+                  dict(base, name=f"{tag}-llama-two-rows", family="llama", rows=2),
+                  dict(base, name=f"{tag}-mistral-window-3", family="mistral", model=dict(sliding_window=3)),
+                  dict(base, name=f"{tag}-marian", family="marian"),
+                  dict(base, name=f"{tag}-bart", family="bart"),
+                  dict(base, name=f"{tag}-m2m100", family="m2m100"),
+                  dict(base, name=f"{tag}-llama-many-documents", family="llama", many=True),
+                  dict(base, name=f"{tag}-mistral-window-3-many-documents", family="mistral",
+                       model=dict(sliding_window=3), many=True),
+                  dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True)]
+    return cases
+
+
+def _cases_sp4() -> list[dict]:
+    # four ranks share two cores here: the documents that cross the most boundaries, each mode
+    keep = ("llama", "llama-many-documents", "marian", "m2m100")
+    return [c for c in _cases(4, [("ulysses", None), ("ring", None), ("hybrid", 2)])
+            if c["name"].split("-", 2)[2] in keep]
+
+
+CASES = {1: _cases(1, [("ulysses", None)]),
+         2: _cases(2, [("ulysses", None), ("ring", None)]),
+         4: _cases_sp4()}
+

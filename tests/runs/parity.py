@@ -1,0 +1,227 @@
+"""Parity cases run inside spawned gloo processes: the patched model (wrapped in DDP over the whole
+world, as accelerate does) against the unpatched model in the same process."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import seqpar_hf
+
+from ..helpers.models import build_model, make_batch, relative_error, rope
+
+# Analytically zero gradients (k_proj biases: softmax ignores a shift shared by all keys) are float
+# noise of ~1e-14 in both models; they are compared against 1e-4 of the whole gradient's norm.
+ZERO_GRAD_FLOOR = 1e-4
+
+
+def _grad_errors(patched, reference) -> tuple[float, str]:
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    total = torch.sqrt(sum(g.double().norm() ** 2 for g in grads.values())).item()
+    worst, worst_name = 0.0, ""
+    for name, p in patched.named_parameters():
+        if name not in grads:
+            assert p.grad is None or p.grad.abs().max() == 0, f"{name} has a gradient only under SP"
+            continue
+        assert p.grad is not None, f"{name} has no gradient under SP"
+        err = relative_error(p.grad, grads[name], floor=ZERO_GRAD_FLOOR * total)
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def run_case(case: dict) -> dict:
+    """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
+    overrides), checkpointing, eval (compare gathered logits without labels instead of loss + gradients)."""
+    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
+                                      ring_size=case.get("ring_size"))
+    family = case["family"]
+    model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
+    reference = copy.deepcopy(model)
+    if case.get("checkpointing"):
+        model.gradient_checkpointing_enable()
+        reference.gradient_checkpointing_enable()
+    batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
+    mine = batches[layout.dp_rank]
+    patch = dict(case.get("patch", {}))
+    if case.get("chunk_elements"):  # small chunks: the tiled loss runs over several of them
+        patch["tiled_chunk_elements"] = case["chunk_elements"]
+    seqpar_hf.patch_model(model, layout, **patch)
+    if case.get("deepcopy"):  # a deep copy of the patched model is a patched model on the same layout
+        original, model = model, copy.deepcopy(model)
+        with torch.no_grad():
+            for p in original.parameters():
+                p.add_(1.0)  # the copy must not share weights with the original
+    result = {"name": case["name"], "rank": layout.rank}
+
+    if case.get("eval"):
+        model.eval(), reference.eval()
+        inputs = {k: v for k, v in mine.items() if k != "labels"}
+        if family in ("marian", "bart", "mbart", "pegasus"):
+            inputs["decoder_input_ids"] = reference.prepare_decoder_input_ids_from_labels(mine["labels"])
+        with torch.no_grad():
+            out = model(**inputs)
+            expected = reference(**inputs)
+        logits = seqpar_hf.gather_logits(model, out.logits)
+        result["logits_err"] = relative_error(logits, expected.logits)
+        if "encoder_last_hidden_state" in expected:
+            enc = seqpar_hf.gather_sequence(model, out.encoder_last_hidden_state, side="encoder")
+            result["encoder_err"] = relative_error(enc, expected.encoder_last_hidden_state)
+        return result
+
+    ddp = DDP(model)
+    if case.get("second_batch"):  # two forwards of different lengths before one backward
+        extra = [make_batch(family, seed=200 + d, **case["second_batch"]) for d in range(layout.dp_size)]
+        out = ddp(**mine)
+        out2 = ddp(**extra[layout.dp_rank])
+        (out.loss + out2.loss).backward()
+        ref_losses = []
+        for batch, batch2 in zip(batches, extra):
+            loss = reference(**batch).loss
+            ((loss + reference(**batch2).loss) / layout.dp_size).backward()
+            ref_losses.append(loss.detach())
+    else:
+        out = ddp(**mine)
+        out.loss.backward()
+        ref_losses = []
+        for batch in batches:  # plain data parallelism over dp_size replicas, each with its full batch
+            loss = reference(**batch).loss
+            (loss / layout.dp_size).backward()
+            ref_losses.append(loss.detach())
+    result["loss"] = out.loss.item()
+    result["loss_err"] = abs(out.loss.item() - ref_losses[layout.dp_rank].item()) / abs(ref_losses[layout.dp_rank].item())
+    result["grad_err"], result["worst_param"] = _grad_errors(model, reference)
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, out.loss.item())
+    result["group_losses"] = losses[layout.sp_size * layout.dp_rank: layout.sp_size * (layout.dp_rank + 1)]
+    return result
+
+
+def run_cases(cases: list[dict]) -> list[dict]:
+    return [run_case(c) for c in cases]
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases, per world size
+
+MODES = [("ulysses", None), ("ring", None)]
+
+
+# Every family beyond the first seven, each with a structural feature of its own (tests/helpers/models.py).
+NEW_FAMILIES = ["m2m100", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "smollm3",
+                "gpt_neox"]
+
+
+ROPE_TYPES = ["linear", "dynamic", "yarn", "longrope", "llama3"]
+
+
+def _family_case(family: str) -> dict:
+    # Gemma 2 runs eager attention only; left padding makes a padding query see no key, where eager and
+    # SDPA differ in transformers itself (see tests/helpers/models.causal_batch)
+    return dict(family=family, batch=dict(left_pad=False) if family == "gemma2" else {})
+
+
+def _rope_case(rope_type: str) -> dict:
+    # trained on 8 positions, run on 11 (dynamic: max_position_embeddings is its original length)
+    return dict(family="llama", model=dict(rope_parameters=rope(rope_type),
+                                           max_position_embeddings=8 if rope_type == "dynamic" else 32))
+
+
+def _coverage_cases(base: dict, tag: str) -> list[dict]:
+    """Families, rope types, sliding windows, two forwards before one backward, deep copies."""
+    cases = [dict(base, name=f"{tag}-{f}", **_family_case(f)) for f in NEW_FAMILIES]
+    cases += [dict(base, name=f"{tag}-llama-rope-{r}", **_rope_case(r)) for r in ROPE_TYPES]
+    cases += [
+        dict(base, name=f"{tag}-phi3-longrope", family="phi3",
+             model=dict(rope_parameters=rope("longrope"), max_position_embeddings=32, original_max_position_embeddings=8)),
+        dict(base, name=f"{tag}-mistral-window-4", family="mistral", model=dict(sliding_window=4)),
+        dict(base, name=f"{tag}-qwen2-window-4", family="qwen2",
+             model=dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        dict(base, name=f"{tag}-llama-checkpointing-two-forwards", family="llama", checkpointing=True,
+             second_batch=dict(length=7)),
+        dict(base, name=f"{tag}-marian-checkpointing-two-forwards", family="marian", checkpointing=True,
+             second_batch=dict(src_len=6, tgt_len=5)),
+        dict(base, name=f"{tag}-llama-deepcopy", family="llama", deepcopy=True),
+        dict(base, name=f"{tag}-marian-deepcopy", family="marian", deepcopy=True),
+    ]
+    return cases
+
+
+def _cases_world2():
+    cases = []
+    for mode, ring in MODES:
+        base = dict(sp=2, mode=mode, ring_size=ring)
+        tag = mode
+        cases += [
+            dict(base, name=f"{tag}-marian-padded-odd", family="marian"),
+            dict(base, name=f"{tag}-marian-uneven-heads", family="marian", model=dict(heads=3)),
+            dict(base, name=f"{tag}-marian-src-shorter-than-tgt", family="marian", batch=dict(src_len=5, tgt_len=12)),
+            dict(base, name=f"{tag}-marian-length-1", family="marian", batch=dict(src_len=1, tgt_len=1, pad=False, batch=2)),
+            dict(base, name=f"{tag}-marian-no-padding", family="marian", batch=dict(src_len=12, tgt_len=8, pad=False)),
+            dict(base, name=f"{tag}-marian-empty-source", family="marian", batch=dict(empty_source=True)),
+            dict(base, name=f"{tag}-bart", family="bart"),
+            dict(base, name=f"{tag}-mbart", family="mbart"),
+            dict(base, name=f"{tag}-pegasus", family="pegasus"),
+            dict(base, name=f"{tag}-llama-mqa", family="llama", model=dict(heads=4, kv_heads=1)),
+            dict(base, name=f"{tag}-llama-uneven-gqa", family="llama", model=dict(heads=6, kv_heads=2)),
+            dict(base, name=f"{tag}-llama-no-padding", family="llama", batch=dict(length=12, pad=False)),
+            dict(base, name=f"{tag}-mistral", family="mistral"),
+            dict(base, name=f"{tag}-qwen2", family="qwen2"),
+            dict(base, name=f"{tag}-marian-checkpointing", family="marian", checkpointing=True),
+            dict(base, name=f"{tag}-llama-checkpointing", family="llama", checkpointing=True),
+            dict(base, name=f"{tag}-marian-eval", family="marian", eval=True),
+            dict(base, name=f"{tag}-llama-eval", family="llama", eval=True),
+        ]
+        cases += _coverage_cases(base, tag)
+        cases += _tiled_cases(base, tag)
+    return cases
+
+
+def _tiled_cases(base: dict, tag: str) -> list[dict]:
+    """The tiled loss (forced on, 5 tokens per chunk): bias after the head (Marian, BART), soft-capping
+    (Gemma 2), tied head (Llama), recompute under gradient checkpointing with two forwards."""
+    tiled = dict(base, patch=dict(tiled_loss=True), chunk_elements=97 * 5)
+    cases = [dict(tiled, name=f"{tag}-tiled-marian", family="marian"),
+             dict(tiled, name=f"{tag}-tiled-llama-checkpointing-two-forwards", family="llama", checkpointing=True,
+                  second_batch=dict(length=7))]
+    if tag == "ulysses":  # what follows the head does not depend on the mode
+        cases += [dict(tiled, name=f"{tag}-tiled-bart", family="bart"),
+                  dict(tiled, name=f"{tag}-tiled-llama", family="llama"),
+                  dict(tiled, name=f"{tag}-tiled-gemma2-softcap", **_family_case("gemma2"))]
+    return cases
+
+
+def _cases_world4():
+    cases = []
+    for mode, ring in MODES + [("hybrid", 2)]:
+        tag = mode
+        sp4 = dict(sp=4, mode=mode, ring_size=ring)
+        cases += [
+            dict(sp4, name=f"{tag}-sp4-marian-uneven-heads", family="marian", model=dict(heads=6)),
+            dict(sp4, name=f"{tag}-sp4-llama-kv-lt-sp", family="llama", model=dict(heads=4, kv_heads=2)),
+            dict(sp4, name=f"{tag}-sp4-llama-uneven", family="llama", model=dict(heads=6, kv_heads=3)),
+            dict(sp4, name=f"{tag}-sp4-marian-eval", family="marian", eval=True),
+        ]
+        if mode == "hybrid":  # uneven heads on the Ulysses part (3 and 5 heads over 2 ranks)
+            cases += [dict(sp4, name=f"{tag}-sp4-marian-3-heads", family="marian", model=dict(heads=3)),
+                      dict(sp4, name=f"{tag}-sp4-llama-5-heads-mqa", family="llama", model=dict(heads=5, kv_heads=1)),
+                      dict(sp4, name=f"{tag}-sp4-gemma3-window", **_family_case("gemma3")),
+                      dict(sp4, name=f"{tag}-sp4-mixtral", **_family_case("mixtral")),
+                      dict(sp4, name=f"{tag}-sp4-m2m100", **_family_case("m2m100")),
+                      dict(sp4, name=f"{tag}-sp4-llama-rope-dynamic", **_rope_case("dynamic")),
+                      dict(sp4, name=f"{tag}-sp4-llama-rope-longrope", **_rope_case("longrope")),
+                      dict(sp4, name=f"{tag}-sp4-llama-checkpointing-two-forwards", family="llama",
+                           checkpointing=True, second_batch=dict(length=7))]
+        if mode != "hybrid":
+            cases += [dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
+                      dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-tiled-marian", family="marian",
+                           patch=dict(tiled_loss=True), chunk_elements=97 * 3),
+                      dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama")]
+    return cases
+
+
+CASES = {2: _cases_world2(), 4: _cases_world4()}
+

@@ -1,0 +1,82 @@
+"""Which in-rank bodies (tests/runs/) share each process group.
+
+Starting processes (each one imports torch and transformers) is the slow part of the suite, so the
+bodies of one concern and world size run in ONE group, spawned once per session by the `spawned`
+fixture (conftest.py) and asserted by the test modules named here:
+
+| group             | ranks   | bodies (tests/runs/)                                         | asserted in                          |
+|-------------------|---------|--------------------------------------------------------------|--------------------------------------|
+| `misc`            | 2       | robustness (bad and odd inputs), randomness                  | test_robustness_gloo, test_randomness_gloo |
+| `parity`          | 2, 4    | parity cases; at 4 also the ring kernel numerics             | test_parity_gloo, test_ring_gloo     |
+| `packing`         | 2, 4    | packed-row cases                                             | test_packing_gloo                    |
+| `tensor_parallel` | 2, 4    | TP (+ SP, DP) cases; at 2 also the TP refusals               | test_tp_gloo                         |
+| `trainer`         | 2, 4    | Trainer runs; at 2 resume and TP generation; at 4 data /     | test_trainer_gloo, test_fsdp_gloo    |
+|                   |         | prediction checks and the FSDP2 plain loops                  |                                      |
+| `trl`             | 2       | TRL SFT / DPO runs, PEFT checks                              | test_trl_gloo, test_peft_gloo        |
+
+One-process references (the plain Trainer, TRL trainer, a plain evaluation) are spawned by the test
+modules themselves: they run without a process group, in a fresh process so that no state leaks.
+The bad-input cases of `misc` run last: the final one destroys the process group.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def misc() -> dict:
+    from .runs import randomness, robustness
+    return {"odd": robustness.odd_inputs(), "randomness": randomness.all_checks(), "bad": robustness.bad_inputs()}
+
+
+def parity() -> dict:
+    from .runs import parity as cases
+    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()])}
+    if dist.get_world_size() == 4:
+        from .runs import ring
+        out["ring"] = ring.all_checks()
+    return out
+
+
+def packing() -> list[dict]:
+    from .runs import packing as cases
+    return cases.run_cases(cases.CASES[dist.get_world_size()])
+
+
+def tensor_parallel() -> dict:
+    from .runs import tp
+    out = {"cases": tp.run_cases(tp.CASES[dist.get_world_size()])}
+    if dist.get_world_size() == 2:  # the refusals need a tp=2 layout
+        out["refusals"] = tp.refusals()
+    return out
+
+
+def trainer(resume_dir: str) -> dict:
+    from .runs import trainer as runs
+    world = dist.get_world_size()
+    out = {name: runs.run(**config) for name, (w, config) in runs.SETUPS.items() if w == world}
+    if world == 2:
+        out["resume"] = {name: runs.resume_run(f"{resume_dir}/{name}", **config) for name, config in runs.RESUME.items()}
+        out["tp_generate"] = runs.tp_generation_check()
+    if world == 4:
+        from .runs import fsdp
+        out["checks"] = {drop: runs.data_and_prediction_checks(drop) for drop in (False, True)}
+        out["checks"]["fsdp"] = runs.data_and_prediction_checks(False, fsdp=True)
+        out["loops"] = fsdp.run_loops(fsdp.LOOPS)
+    return out
+
+
+def trl() -> dict:
+    from .runs import lora, trl_trainers as runs
+    return {"peft": lora.all_checks(), "trl": runs.run_many([dict(sp=2, **runs.CASES[n][0]) for n in runs.CASES])}
+
+
+GROUPS = {"misc": (misc, 240), "parity": (parity, 480), "packing": (packing, 480),
+          "tensor_parallel": (tensor_parallel, 480), "trainer": (trainer, 540), "trl": (trl, 600)}
+
+
+def run(group: str, world: int, *args) -> list:
+    """Every rank's result of `group` at `world` ranks (tests/helpers/spawn.py: never hangs)."""
+    from .helpers.spawn import spawn
+    fn, timeout = GROUPS[group]
+    return spawn(fn, world, *args, timeout=timeout)
