@@ -36,12 +36,14 @@ from datasets import Dataset
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the translation recipe's data module
+import recipe_checks  # noqa: E402
 import translation_data  # noqa: E402
 
 from seqpar_hf import TimeBudgetCallback  # noqa: E402
 from seqpar_hf.training.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+EVAL_PAIRS = 2000  # evaluation documents are cut from the last pairs of the training split
 logger = logging.getLogger("sft_long_context")
 
 
@@ -83,6 +85,48 @@ class SFTArguments(SequenceParallelSFTConfig):
     gradient_checkpointing: bool = False  # a small model: activations fit; turn on for long rows on a GPU
 
 
+def parse_args(argv=None):
+    """The recipe's and the trainer's arguments, checked (argparse's error, exit code 2, on every rank alike)."""
+    parser = HfArgumentParser((RecipeArguments, SFTArguments))
+    recipe, args = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        check_args(recipe, args)
+    except ValueError as e:  # argparse's error without its usage, which here runs to hundreds of lines
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return recipe, args
+
+
+def check_args(recipe: RecipeArguments, args: SFTArguments) -> None:
+    """The recipe's flags (and the training flags it relies on), before any data or process-group work:
+    ValueError "--flag value: what is allowed". Reads only the arguments (and tries --output_dir)."""
+    check = recipe_checks
+    for flag, meaning in (("hidden_size", "model width"), ("num_layers", "decoder layers"),
+                          ("num_heads", "attention heads"), ("num_kv_heads", "key/value heads"),
+                          ("pairs_per_document", "sentence pairs per document"),
+                          ("max_documents", "training documents"), ("eval_documents", "held-out documents")):
+        check.at_least(flag, getattr(recipe, flag), 1, meaning)
+    if recipe.num_kv_heads > recipe.num_heads or recipe.num_heads % recipe.num_kv_heads:
+        raise ValueError(f"--num_kv_heads {recipe.num_kv_heads}: must divide --num_heads {recipe.num_heads} "
+                         "(grouped-query attention: each key/value head serves the same number of query heads)")
+    if recipe.hidden_size % recipe.num_heads or (recipe.hidden_size // recipe.num_heads) % 2:
+        raise ValueError(f"--hidden_size {recipe.hidden_size}: must be --num_heads {recipe.num_heads} x an even head "
+                         "size (each head gets hidden_size / num_heads channels; rotary positions turn pairs of them)")
+    if recipe.pairs_per_document * recipe.eval_documents > EVAL_PAIRS:
+        raise ValueError(f"--eval_documents {recipe.eval_documents} x --pairs_per_document {recipe.pairs_per_document}: "
+                         f"must be at most {EVAL_PAIRS} pairs (the held-out documents are cut from the last "
+                         f"{EVAL_PAIRS} pairs of the training split)")
+    check.at_least("max_train_minutes", recipe.max_train_minutes, 0, "minutes of training; 0: no limit")
+    check.at_least("num_threads", recipe.num_threads, 0, "torch threads per process; 0: the usable cores divided by "
+                   "the local processes")
+    if args.max_length is None:
+        raise ValueError("--max_length None: must be a number of tokens (the packed rows' length, what SP splits)")
+    check.at_least("max_length", args.max_length, 1, "tokens per packed row, what SP splits")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        check.at_least(flag, getattr(args, flag), 1, "rows per rank and step")
+    check.folder("data_cache_dir", recipe.data_cache_dir, writable=False)  # a prepared cache may be read-only
+    check.folder("output_dir", args.output_dir, writable=True)
+
+
 def documents(split, pairs: int, limit: int) -> Dataset:
     """Consecutive pairs joined into documents: English ids, French ids (each ends with </s>), repeated."""
     src, tgt = split["input_ids"], split["labels"]
@@ -96,7 +140,7 @@ def documents(split, pairs: int, limit: int) -> Dataset:
 
 
 def main(argv=None):
-    recipe, args = HfArgumentParser((RecipeArguments, SFTArguments)).parse_args_into_dataclasses(args=argv)
+    recipe, args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
     if not args.should_log:
@@ -110,8 +154,9 @@ def main(argv=None):
     with args.main_process_first(desc="preparing the data"):
         tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=8000, seed=0,
                                                      max_source_length=80, max_target_length=80)
-    train = documents(splits["train"], recipe.pairs_per_document, recipe.max_documents)
-    evaluation = documents(splits["train"].select(range(len(splits["train"]) - 2000, len(splits["train"]))),
+    held_out = len(splits["train"]) - EVAL_PAIRS  # training never reaches the evaluation pairs, however many documents
+    train = documents(splits["train"].select(range(held_out)), recipe.pairs_per_document, recipe.max_documents)
+    evaluation = documents(splits["train"].select(range(held_out, len(splits["train"]))),
                            recipe.pairs_per_document, recipe.eval_documents)
     lengths = [len(d) for d in train["input_ids"]]
     logger.info("data: %d documents of %d pairs (%.0f tokens on average), packed into rows of %d tokens",

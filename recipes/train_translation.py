@@ -46,6 +46,7 @@ from transformers import (DataCollatorForSeq2Seq, HfArgumentParser, LogitsProces
                           MarianMTModel, TrainerCallback, set_seed)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
+import recipe_checks  # noqa: E402
 import translation_data  # noqa: E402
 
 import seqpar_hf  # noqa: E402
@@ -138,8 +139,76 @@ DEFAULT_BATCH = {name: RecipeTrainingArguments.__dataclass_fields__[name].defaul
 
 
 def parse_args(argv=None):
+    """The three argument groups, checked (argparse's error, exit code 2, on every rank alike)."""
     parser = HfArgumentParser((ModelArguments, DataArguments, RecipeTrainingArguments))
-    return parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        check_args(model_args, data_args, training_args)
+    except ValueError as e:  # argparse's error without its usage, which here runs to hundreds of lines
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return model_args, data_args, training_args
+
+
+def check_args(model_args: ModelArguments, data_args: DataArguments, training_args: RecipeTrainingArguments) -> None:
+    """The recipe's flags (and the training flags it relies on), before any data or process-group work:
+    ValueError "--flag value: what is allowed". Reads only the arguments (and tries --output_dir)."""
+    m, d, check = model_args, data_args, recipe_checks
+    for flag, meaning in (("d_model", "hidden size"), ("encoder_layers", "encoder layers"),
+                          ("decoder_layers", "decoder layers"), ("attention_heads", "attention heads"),
+                          ("ffn_dim", "feed-forward size")):
+        check.at_least(flag, getattr(m, flag), 1, meaning)
+    if m.d_model % m.attention_heads:
+        raise ValueError(f"--d_model {m.d_model}: must be a multiple of --attention_heads {m.attention_heads} "
+                         "(each head gets d_model / attention_heads channels)")
+    check.fraction("dropout", m.dropout, "the probability of zeroing a hidden state")
+    check.fraction("attention_dropout", m.attention_dropout, "the probability of zeroing an attention weight")
+    specials = len(translation_data.SPECIAL_TOKENS)
+    check.at_least("vocab_size", d.vocab_size, specials + 1, f"the shared BPE vocabulary: {specials} special tokens "
+                   "and at least one more")
+    check.at_least("document_sentences", d.document_sentences, 1, "sentence pairs per document; 1: one per row")
+    for flag in ("max_source_length", "max_target_length"):
+        value = getattr(d, flag)
+        if value != 0:  # 0: 80 x document_sentences
+            check.at_least(flag, value, 2, "tokens, </s> included; 0: 80 x --document_sentences")
+    check.at_least("pack_tokens", d.pack_tokens, 0, "tokens per packed row; 0: padded batches")
+    if d.pack_tokens and d.document_sentences > 1:
+        raise ValueError(f"--pack_tokens {d.pack_tokens} packs sentence pairs into rows; --document_sentences "
+                         f"{d.document_sentences} joins them into documents: choose one")
+    longest = max(d.max_source_length or 80 * d.document_sentences, d.max_target_length or 80 * d.document_sentences)
+    if d.pack_tokens and d.pack_tokens < longest:
+        raise ValueError(f"--pack_tokens {d.pack_tokens}: shorter than the longest pair ({longest} tokens: "
+                         "--max_source_length / --max_target_length); raise it (e.g. --pack_tokens 128) or truncate "
+                         "the pairs")
+    check.optional_positive("max_train_samples", d.max_train_samples, "training examples; leave it out for all")
+    check.optional_positive("max_eval_samples", d.max_eval_samples, "validation examples evaluated periodically; "
+                            "more than the split holds takes all of it")
+    check.optional_positive("max_test_samples", d.max_test_samples, "test examples; leave it out for all")
+    check.optional_positive("max_pairs", d.max_pairs, "pairs read from the data file; leave it out for all")
+    check.at_least("num_threads", d.num_threads, 0, "torch threads per process; 0: the usable cores divided by "
+                   "the local processes")
+    check.at_least("test_num_beams", d.test_num_beams, 1, "beams of the final test translation; 1: greedy")
+    check.at_least("max_length_a", d.max_length_a, 0, "a translation stops after a x source tokens + b; 0: no "
+                   "per-sentence bound")
+    check.at_least("max_length_b", d.max_length_b, 0, "tokens added to a x source tokens")
+    check.at_least("no_repeat_ngram_size", d.no_repeat_ngram_size, 0, "n-grams never repeated; 0: off")
+    check.at_least("max_train_minutes", d.max_train_minutes, 0, "minutes of training; 0: no limit")
+    check.at_least("num_examples_to_print", d.num_examples_to_print, 0, "test translations printed")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        check.at_least(flag, getattr(training_args, flag), 1, "examples per rank and step")
+    check.folder("data_cache_dir", d.data_cache_dir, writable=False)  # a prepared cache may be read-only
+    check.folder("output_dir", training_args.output_dir, writable=True)
+
+
+def check_splits(splits, data_args: DataArguments, evaluating: bool) -> None:
+    """After preparing: no empty split (held-out sentences are 1% and 2% of the distinct English sources, so a
+    small --max_pairs can leave none); the same data on every rank, so the same error."""
+    sizes = {name: len(splits[name]) for name in ("train", "validation", "test")}
+    empty = [name for name, n in sizes.items() if n == 0 and (name != "validation" or evaluating)]
+    if empty:
+        raise ValueError(f"--max_pairs {data_args.max_pairs}: the {' and '.join(empty)} split"
+                         f"{'s are' if len(empty) > 1 else ' is'} empty ({sizes['train']} train / {sizes['validation']}"
+                         f" validation / {sizes['test']} test examples); read more pairs: validation and test take 1% "
+                         "and 2% of the distinct English sentences, rounded")
 
 
 def use_the_cores(requested: int) -> str:
@@ -263,15 +332,8 @@ def main(argv=None):
                 setattr(training_args, name, max(1, default // docs))
         if data_args.max_eval_samples == DataArguments.max_eval_samples:
             data_args.max_eval_samples = max(8, DataArguments.max_eval_samples // docs)
-    if data_args.pack_tokens and docs > 1:
-        raise ValueError("--pack_tokens packs sentence pairs into rows; --document_sentences joins them into documents: "
-                         "choose one")
     max_source = data_args.max_source_length or 80 * docs
     max_target = data_args.max_target_length or 80 * docs
-    if data_args.pack_tokens and data_args.pack_tokens < max(max_source, max_target):
-        raise ValueError(f"--pack_tokens {data_args.pack_tokens} is shorter than the longest pair "
-                         f"({max(max_source, max_target)} tokens: --max_source_length / --max_target_length); "
-                         "raise it (e.g. --pack_tokens 128) or truncate the pairs")
     if data_args.pack_tokens and training_args.train_sampling_strategy == "group_by_length" and \
             "--train_sampling_strategy" not in (argv or sys.argv):
         training_args.train_sampling_strategy = "random"  # packed rows carry no padding: no need to sort by length
@@ -280,6 +342,7 @@ def main(argv=None):
             data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed,
             document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
             max_pairs=data_args.max_pairs, lowercase=data_args.lowercase)
+    check_splits(splits, data_args, evaluating=training_args.eval_strategy != "no")
     train, validation, test = splits["train"], splits["validation"], splits["test"]
     if data_args.max_train_samples:
         train = train.select(range(min(data_args.max_train_samples, len(train))))

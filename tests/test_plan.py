@@ -1,17 +1,23 @@
 """Tier 1: the memory planner (python -m seqpar_hf.plan) against the exact per-rank counts of
 benchmarks/longest_sequence.py (benchmarks/results/longest_sequence.json): within 10% for every
-configuration and length the benchmark ran, and the longest sequences it implies."""
+configuration and length the benchmark ran, and the longest sequences it implies; every bad input
+refused with one line naming the flag, the value and what is allowed (exit code 2), and the library
+functions refusing the same values with ValueError in the same words."""
 
 from __future__ import annotations
 
 import json
+import re
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
 
 from seqpar_hf import plan
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "longest_sequence.json"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "longest_sequence.json"
 OPTIONS = {"plain": (False, False), "tiled loss": (False, True), "checkpointing": (True, False),
            "checkpointing + tiled loss": (True, True)}
 
@@ -66,8 +72,7 @@ def test_known_model_sizes_and_the_command_line(capsys):
     best = plan.main(["--model", "llama-3-8b", "--seq-len", "131072", "--gpus", "8", "--gpu-memory", "80"])
     out = capsys.readouterr().out
     assert "recommended:" in out and best is not None and best.layout.sp > 1
-    with pytest.raises(SystemExit, match="not a config.json"):
-        plan.main(["--model", "no-such-model", "--seq-len", "1024", "--gpus", "1", "--gpu-memory", "80"])
+    assert _refused(capsys, *RUN, "--model", "no-such-model").startswith("--model 'no-such-model': not a config.json")
 
 
 def test_config_file(tmp_path):
@@ -76,3 +81,152 @@ def test_config_file(tmp_path):
     LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=64, vocab_size=32000).save_pretrained(tmp_path)
     assert plan.load_model(str(tmp_path)) == plan.Model(**plan.KNOWN["bench-44m"])
+
+
+# -- bad inputs: one line on stderr, exit code 2, no traceback -----------------------------------------
+RUN = ["--seq-len", "4096", "--gpus", "8", "--gpu-memory", "80"]
+
+
+def _refused(capsys, *argv) -> str:
+    """main(argv) must exit 2 with one error line; returns the message after 'error: '."""
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[-1].startswith("python -m seqpar_hf.plan: error: "), err
+    return err[-1].removeprefix("python -m seqpar_hf.plan: error: ")
+
+
+GQA = "(grouped-query attention"
+CLI_CASES = {  # argv: the start of the message
+    "seq-len -5": (["--seq-len", "-5", "--gpus", "8", "--gpu-memory", "80"], "--seq-len -5: must be a positive integer"),
+    "seq-len 0": (["--seq-len", "0", "--gpus", "8", "--gpu-memory", "80"], "--seq-len 0: must be a positive integer"),
+    "batch 0": ([*RUN, "--batch", "0"], "--batch 0: must be a positive integer (sequences per SP group"),
+    "heads 0": ([*RUN, "--heads", "0"], "--heads 0: must be a positive integer (query attention heads)"),
+    "kv_heads 64 > heads": ([*RUN, "--kv_heads", "64"], f"--kv_heads 64: must divide heads of --model llama-3-8b = 32 {GQA}"),
+    "kv_heads 5": ([*RUN, "--heads", "32", "--kv_heads", "5"], f"--kv_heads 5: must divide --heads = 32 {GQA}"),
+    "kv_heads 0": ([*RUN, "--kv_heads", "0"], "--kv_heads 0: must be a positive integer"),
+    "head_dim 0": ([*RUN, "--head_dim", "0"], "--head_dim 0: must be a positive integer"),
+    "hidden -1": ([*RUN, "--hidden", "-1"], "--hidden -1: must be a positive integer"),
+    "layers 0": ([*RUN, "--layers", "0"], "--layers 0: must be a positive integer (decoder layers)"),
+    "ffn 0": ([*RUN, "--ffn", "0"], "--ffn 0: must be a positive integer"),
+    "vocab 0": ([*RUN, "--vocab", "0"], "--vocab 0: must be a positive integer (vocabulary size)"),
+    "gpus 0": (["--seq-len", "4096", "--gpus", "0", "--gpu-memory", "80"], "--gpus 0: must be a positive integer"),
+    "gpu-memory -80": ([*RUN, "--gpu-memory", "-80"], "--gpu-memory -80.0: must be a positive number (GiB per rank)"),
+    "gpu-memory 0": ([*RUN, "--gpu-memory", "0"], "--gpu-memory 0.0: must be a positive number"),
+    "gpu-memory nan": ([*RUN, "--gpu-memory", "nan"], "--gpu-memory nan: must be a positive number"),
+    "gpu-memory in MiB": ([*RUN, "--gpu-memory", "81920"], "--gpu-memory 81920: GiB per rank, at most 4096 (is it in MiB"),
+    "reserve -1": ([*RUN, "--reserve", "-1"], "--reserve -1.0: must be a fraction of each rank's memory in [0, 1)"),
+    "reserve 1.5 (GiB?)": ([*RUN, "--reserve", "1.5"], "--reserve 1.5: must be a fraction of each rank's memory in [0, 1)"),
+    "reserve 1": ([*RUN, "--reserve", "1"], "--reserve 1.0: must be a fraction"),
+    "dtype fp16": ([*RUN, "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    "seq-len missing": (["--gpus", "8"], "--seq-len, --gpu-memory required"),
+    "unknown model": ([*RUN, "--model", "no-such-model"], "--model 'no-such-model': not a config.json"),
+    "validate missing": (["--validate", "no/such.json"], "--validate no/such.json: no such file"),
+    "validate + seq-len": (["--validate", str(RESULTS), "--seq-len", "5"],
+                           "--validate reads the model and the lengths from its json: drop --seq-len"),
+}
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_bad_arguments_exit_2_with_the_flag_and_value(case, capsys):
+    argv, message = CLI_CASES[case]
+    assert _refused(capsys, *argv).startswith(message)
+
+
+def test_reserve_in_gib_gets_the_fraction_it_meant(capsys):
+    assert _refused(capsys, *RUN, "--reserve", "1.5").endswith("to keep 1.5 GiB of 80 free, pass --reserve 0.0187")
+
+
+FAMILY = "the planner models decoder-only transformers with Llama's layer"
+CONFIGS = {  # config.json text: the start of the message after '--model <path>: ', and the family named
+    "corrupt": ('{"hidden_size": 4', "not valid JSON (Expecting ',' delimiter at line 1, column 18)"),
+    "empty": ("", "not valid JSON (Expecting value at line 1, column 1)"),
+    "array": ("[1, 2]", "holds an array, not a JSON object of keys"),
+    "gpt2-like": (json.dumps({"n_embd": 768, "n_layer": 12, "vocab_size": 50257}),
+                  f"no hidden_size, num_hidden_layers, num_attention_heads, intermediate_size; {FAMILY}"),
+    "encoder-decoder": (json.dumps({"is_encoder_decoder": True, "d_model": 512}),
+                        f"an encoder-decoder model (is_encoder_decoder: true); {FAMILY}"),
+    "bert-like": (json.dumps({"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                              "intermediate_size": 3072, "vocab_size": 30522, "layer_norm_eps": 1e-12}),
+                  f"LayerNorm (layer_norm_eps, no rms_norm_eps), not Llama's layer; {FAMILY}"),
+    "mixture of experts": (json.dumps({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                       "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8}),
+                           "a mixture of experts (num_local_experts: 8), whose MLPs the planner does not count"),
+    "zero heads": (json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0,
+                               "intermediate_size": 128, "vocab_size": 100}),
+                   "num_attention_heads 0: must be a positive integer"),
+    "kv heads": (json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 3, "intermediate_size": 128, "vocab_size": 100}),
+                 "num_key_value_heads 3: must divide num_attention_heads = 4"),
+    "string size": (json.dumps({"hidden_size": "64", "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "intermediate_size": 128, "vocab_size": 100, "head_dim": 16}),
+                    "hidden_size '64': must be a positive integer"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIGS)
+def test_bad_config_json_one_line_naming_file_and_key(case, tmp_path, capsys):
+    text, message = CONFIGS[case]
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert _refused(capsys, *RUN, "--model", str(tmp_path)).startswith(f"--model {path}: {message}")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}: {message}")):
+        plan.load_model(str(path))
+
+
+def test_unreadable_config_and_validate_json(tmp_path, capsys):
+    binary = tmp_path / "config.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert _refused(capsys, *RUN, "--model", str(binary)) == f"--model {binary}: not a text file (not UTF-8), so not a JSON file"
+    assert _refused(capsys, "--validate", str(binary)).startswith(f"--validate {binary}: not a text file")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"config": {}, "records": []}))
+    assert _refused(capsys, "--validate", str(other)) == (f"--validate {other}: not a benchmarks/longest_sequence.py "
+                                                           "result (no rows, budget_bytes)")
+
+
+def test_library_functions_refuse_the_same_values():
+    model = plan.Model(**plan.KNOWN["llama-3-8b"])
+    cases = [
+        (lambda: plan.plan(model, plan.Layout(), -5, 1), "seq_len -5: must be a positive integer (tokens per sequence)"),
+        (lambda: plan.plan(model, plan.Layout(), 1024, 1, batch=0), "batch 0: must be a positive integer"),
+        (lambda: plan.plan(model, plan.Layout(), 1024, 0), "gpus 0: must be a positive integer"),
+        (lambda: plan.plan(model, plan.Layout(sp=4), 1024, 6), "gpus 6: must be a multiple of sp x tp = 4 x 1"),
+        (lambda: plan.plan(model, plan.Layout(tp=3), 1024, 3), "tp 3: must divide heads 32 and kv_heads 8"),
+        (lambda: plan.plan(model, plan.Layout(sp=64), 1024, 64), "sp 64 with mode 'ulysses': Ulysses splits the 32"),
+        (lambda: plan.plan(model, plan.Layout(), 1024, 1, act_bytes=3), "act_bytes 3: must be 2 (bf16) or 4 (fp32)"),
+        (lambda: plan.Layout(sp=0), "sp 0: must be a positive integer"),
+        (lambda: plan.Layout(mode="hybrid"), "mode 'hybrid': the planner counts one of 'ulysses', 'ring'"),
+        (lambda: plan.Model(**{**plan.KNOWN["llama-3-8b"], "heads": 0}), "heads 0: must be a positive integer"),
+        (lambda: plan.Model(**{**plan.KNOWN["llama-3-8b"], "kv_heads": 64}), "kv_heads 64: must divide heads = 32"),
+        (lambda: plan.Model(**{**plan.KNOWN["llama-3-8b"], "head_dim": 0}), "head_dim 0: must be a positive integer"),
+        (lambda: plan.layouts(model, 0), "gpus 0: must be a positive integer"),
+        (lambda: plan.recommend([], -1.0), "budget -1.0: must be a positive number"),
+        (lambda: plan.longest(model, plan.Layout(), 0, 1), "budget 0: must be a positive number"),
+        (lambda: plan.load_model("no-such-model"), "'no-such-model': not a config.json"),
+        (lambda: plan.validate("no/such.json"), "no/such.json: no such file"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value).startswith(message), (str(error.value), message)
+
+
+def test_exit_codes_of_python_m(monkeypatch, capsys):
+    """`python -m seqpar_hf.plan` (run in this process): 0 with a recommendation, 1 when nothing fits (explained),
+    2 for a bad argument; one line, no traceback."""
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["seqpar_hf.plan", *argv])
+        sys.modules.pop("seqpar_hf.plan.__main__", None)
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module("seqpar_hf.plan", run_name="__main__")
+        out = capsys.readouterr()
+        return exit_.value.code, out.out.splitlines(), out.err.splitlines()
+    code, out, _ = run(*RUN)
+    assert code == 0 and out[-1].startswith("recommended: sp=1, tp=1, tiled loss, dp=8"), out
+    code, out, _ = run("--seq-len", "1000000", "--gpus", "1", "--gpu-memory", "8")
+    assert code == 1 and out[-1].startswith("nothing fits: the smallest peak, 575.9 GiB (sp=1, tp=1, checkpointing, "
+                                            "tiled loss), is above the 7.2 GiB usable per rank"), out
+    code, out, err = run("--seq-len", "-5", "--gpus", "8", "--gpu-memory", "80")
+    assert code == 2 and out == [] and err[-1] == ("python -m seqpar_hf.plan: error: --seq-len -5: must be a positive "
+                                                   "integer (tokens per sequence)")

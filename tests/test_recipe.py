@@ -1,5 +1,6 @@
-"""End to end: the translation recipe on a small slice, 2 CPU processes with sp_size=2 launched by
-accelerate with the shipped config; the saved model translates with plain transformers."""
+"""The recipes' flag checks (tier 1: parsed arguments, no process group, no data), then end to end: the
+translation recipe on a small slice, 2 CPU processes with sp_size=2 launched by accelerate with the
+shipped config; the saved model translates with plain transformers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,122 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- tier 1: every bad flag refused right after parsing, naming the flag, the value and what is allowed ----------
+@pytest.fixture(scope="module")
+def recipes():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import sft_long_context
+    import train_translation
+    return {"translation": train_translation, "sft": sft_long_context}
+
+
+def _parsed(recipe, argv, tmp_path):
+    """The recipe's dataclasses for `argv` (unchecked), writing only under tmp_path."""
+    groups = ((recipe.ModelArguments, recipe.DataArguments, recipe.RecipeTrainingArguments)
+              if hasattr(recipe, "ModelArguments") else (recipe.RecipeArguments, recipe.SFTArguments))
+    argv = ["--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache"), *argv]
+    return recipe.HfArgumentParser(groups).parse_args_into_dataclasses(args=argv)
+
+
+TRANSLATION = {  # flags: the start of the message
+    "num_threads -1": (["--num_threads", "-1"], "--num_threads -1: must be >= 0 (torch threads per process; 0: "),
+    "pack_tokens -5": (["--pack_tokens", "-5"], "--pack_tokens -5: must be >= 0 (tokens per packed row; 0: padded"),
+    "pack_tokens < pair": (["--pack_tokens", "64"], "--pack_tokens 64: shorter than the longest pair (80 tokens"),
+    "pack + documents": (["--pack_tokens", "256", "--document_sentences", "2"],
+                         "--pack_tokens 256 packs sentence pairs into rows; --document_sentences 2 joins them"),
+    "document_sentences 0": (["--document_sentences", "0"], "--document_sentences 0: must be >= 1 (sentence pairs"),
+    "max_train_minutes -1": (["--max_train_minutes", "-1"], "--max_train_minutes -1.0: must be >= 0 (minutes of"),
+    "max_train_minutes nan": (["--max_train_minutes", "nan"], "--max_train_minutes nan: must be >= 0"),
+    "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
+    "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
+    "vocab_size 3": (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (the shared BPE vocabulary: 3 special"),
+    "test_num_beams 0": (["--test_num_beams", "0"], "--test_num_beams 0: must be >= 1 (beams of the final test"),
+    "max_pairs 0": (["--max_pairs", "0"], "--max_pairs 0: must be >= 1 (pairs read from the data file"),
+    "max_train_samples 0": (["--max_train_samples", "0"], "--max_train_samples 0: must be >= 1 (training examples"),
+    "max_eval_samples 0": (["--max_eval_samples", "0"], "--max_eval_samples 0: must be >= 1 (validation examples"),
+    "max_test_samples -1": (["--max_test_samples", "-1"], "--max_test_samples -1: must be >= 1 (test examples"),
+    "max_source_length 1": (["--max_source_length", "1"], "--max_source_length 1: must be >= 2 (tokens, </s>"),
+    "max_target_length -1": (["--max_target_length", "-1"], "--max_target_length -1: must be >= 2"),
+    "no_repeat_ngram_size -1": (["--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size -1: must be >= 0"),
+    "num_examples_to_print -1": (["--num_examples_to_print", "-1"], "--num_examples_to_print -1: must be >= 0"),
+    "d_model % heads": (["--d_model", "250"], "--d_model 250: must be a multiple of --attention_heads 4"),
+    "d_model 0": (["--d_model", "0"], "--d_model 0: must be >= 1 (hidden size)"),
+    "encoder_layers 0": (["--encoder_layers", "0"], "--encoder_layers 0: must be >= 1 (encoder layers)"),
+    "decoder_layers -1": (["--decoder_layers", "-1"], "--decoder_layers -1: must be >= 1 (decoder layers)"),
+    "attention_heads 0": (["--attention_heads", "0"], "--attention_heads 0: must be >= 1 (attention heads)"),
+    "ffn_dim 0": (["--ffn_dim", "0"], "--ffn_dim 0: must be >= 1 (feed-forward size)"),
+    "dropout 1": (["--dropout", "1"], "--dropout 1.0: must be in [0, 1) (the probability of zeroing"),
+    "attention_dropout -0.1": (["--attention_dropout", "-0.1"], "--attention_dropout -0.1: must be in [0, 1)"),
+    "train batch 0": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be >= 1"),
+    "eval batch 0": (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size 0: must be >= 1"),
+}
+SFT = {
+    "num_threads -1": (["--num_threads", "-1"], "--num_threads -1: must be >= 0 (torch threads per process"),
+    "hidden_size 0": (["--hidden_size", "0"], "--hidden_size 0: must be >= 1 (model width)"),
+    "num_layers 0": (["--num_layers", "0"], "--num_layers 0: must be >= 1 (decoder layers)"),
+    "num_heads 0": (["--num_heads", "0"], "--num_heads 0: must be >= 1 (attention heads)"),
+    "num_kv_heads 3": (["--num_kv_heads", "3"], "--num_kv_heads 3: must divide --num_heads 8 (grouped-query"),
+    "num_kv_heads > heads": (["--num_kv_heads", "16"], "--num_kv_heads 16: must divide --num_heads 8"),
+    "hidden_size % heads": (["--hidden_size", "100"], "--hidden_size 100: must be --num_heads 8 x an even head size"),
+    "odd head size": (["--hidden_size", "264"], "--hidden_size 264: must be --num_heads 8 x an even head size"),
+    "pairs_per_document 0": (["--pairs_per_document", "0"], "--pairs_per_document 0: must be >= 1"),
+    "max_documents 0": (["--max_documents", "0"], "--max_documents 0: must be >= 1 (training documents)"),
+    "eval_documents 0": (["--eval_documents", "0"], "--eval_documents 0: must be >= 1 (held-out documents)"),
+    "eval pairs > held out": (["--pairs_per_document", "200"],
+                              "--eval_documents 16 x --pairs_per_document 200: must be at most 2000 pairs"),
+    "max_train_minutes -1": (["--max_train_minutes", "-1"], "--max_train_minutes -1.0: must be >= 0"),
+    "max_length 0": (["--max_length", "0"], "--max_length 0: must be >= 1 (tokens per packed row"),
+    "train batch 0": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("recipe_name, case", [("translation", c) for c in TRANSLATION] + [("sft", c) for c in SFT])
+def test_recipe_flags_checked_before_any_work(recipes, recipe_name, case, tmp_path):
+    recipe = recipes[recipe_name]
+    argv, message = (TRANSLATION if recipe_name == "translation" else SFT)[case]
+    with pytest.raises(ValueError) as error:
+        recipe.check_args(*_parsed(recipe, argv, tmp_path))
+    assert str(error.value).startswith(message), str(error.value)
+
+
+@pytest.mark.parametrize("recipe_name", ["translation", "sft"])
+def test_recipe_defaults_pass_and_bad_folders_are_refused(recipes, recipe_name, tmp_path):
+    recipe = recipes[recipe_name]
+    recipe.check_args(*_parsed(recipe, [], tmp_path))  # the defaults pass (and make the folders)
+    assert (tmp_path / "out").is_dir() and not list((tmp_path / "out").iterdir())  # the write test left nothing
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError) as error:  # a file where a folder is needed: fails for root too
+        recipe.check_args(*_parsed(recipe, ["--output_dir", str(blocker / "model")], tmp_path))
+    assert str(error.value) == f"--output_dir {str(blocker / 'model')!r}: must be a folder to write to (Not a directory)"
+    with pytest.raises(ValueError) as error:
+        recipe.check_args(*_parsed(recipe, ["--data_cache_dir", str(blocker)], tmp_path))
+    assert str(error.value) == f"--data_cache_dir {str(blocker)!r}: must be a folder (File exists)"
+
+
+@pytest.mark.parametrize("recipe_name", ["translation", "sft"])
+def test_recipe_parse_args_exits_2_with_one_line(recipes, recipe_name, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        recipes[recipe_name].parse_args(["--num_threads", "-1", "--output_dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: --num_threads -1: must be >= 0 (torch "
+                                                                     "threads per process; 0: the usable cores divided "
+                                                                     "by the local processes)")
+
+
+def test_translation_refuses_empty_splits(recipes):
+    """A small --max_pairs leaves no held-out sentence: refused after preparing (same data on every rank)."""
+    check, data_args = recipes["translation"].check_splits, recipes["translation"].DataArguments(max_pairs=20)
+    splits = {"train": [0] * 19, "validation": [], "test": [0]}
+    with pytest.raises(ValueError) as error:
+        check(splits, data_args, evaluating=True)
+    assert str(error.value).startswith("--max_pairs 20: the validation split is empty (19 train / 0 validation / 1 "
+                                       "test examples); read more pairs")
+    check(splits, data_args, evaluating=False)  # no periodic evaluation: no validation split needed
+    with pytest.raises(ValueError, match="the validation and test splits are empty"):
+        check({**splits, "test": []}, data_args, evaluating=True)
 
 
 @pytest.fixture(scope="module")
