@@ -35,8 +35,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (FIGURES, MODELS, RESULTS, attention_modules, build_model, environment,  # noqa: E402
-                               make_batch, summary, table, publish)
+from benchmarks.common import (MODELS, attention_modules, build_model, environment, make_batch, summary,  # noqa: E402
+                               table)
+from benchmarks.publish import output_options, publish  # noqa: E402
 from seqpar_hf.attention import kernels  # noqa: E402
 from seqpar_hf.attention.ulysses import ulysses_attention  # noqa: E402
 from seqpar_hf.models.patch import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
@@ -216,13 +217,10 @@ def main(argv=None):
     p.add_argument("--long-reps", type=int, default=5, help="rounds above 4096 tokens")
     p.add_argument("--model-reps", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="128 / 256 tokens, model at 128 (validation, < 1 min)")
-    p.add_argument("--json", default=None, help=f"default {RESULTS}/vs_deepspeed.json (none with --quick)")
-    p.add_argument("--figures", default=str(FIGURES), help="folder for vs_deepspeed.png")
-    p.add_argument("--no-plot", action="store_true")
+    output_options(p, "vs_deepspeed")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens, args.model_len, args.reps, args.long_reps, args.model_reps = [128, 256], 128, 3, 3, 2
-    json_path = args.json or (None if args.quick else RESULTS / "vs_deepspeed.json")
     try:
         import deepspeed
     except ImportError:
@@ -235,7 +233,7 @@ def main(argv=None):
                                           "reps", "long_reps", "model_reps")}
     records = spawn(_worker, 2, cfg, timeout=3600)[0]
     print(report(records))
-    publish("vs_deepspeed", records, json_path, args.figures, plot=not args.no_plot)
+    publish("vs_deepspeed", records, args)
 
 
 if __name__ == "__main__":
