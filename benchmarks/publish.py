@@ -30,6 +30,9 @@ def publish(name: str, records: list[dict], args) -> None:
     path = json_path(args, name)
     write_json(path, records)
     if path and hasattr(args, "figures") and not args.no_plot:
-        from benchmarks.plot import PLOTS  # matplotlib only when drawing
-
+        try:
+            from benchmarks.plot import PLOTS  # matplotlib only when drawing
+        except ImportError as exc:  # the records are written: a missing plotting library costs no run
+            print(f"no figure ({exc}); pip install matplotlib, then python benchmarks/plot.py")
+            return
         print("figure:", PLOTS[name](records, args.figures))

@@ -43,7 +43,7 @@ from seqpar_hf.attention.ulysses import ulysses_attention  # noqa: E402
 from seqpar_hf.models.patch import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
 
 
-def _deepspeed():
+def load_deepspeed():
     """Import DeepSpeed and let deepspeed.comm wrap the already initialised torch process group."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -175,7 +175,7 @@ def _model_case(DistributedAttention, layout, name, seq_len, warmup, reps) -> di
 
 
 def _worker(cfg: dict) -> list[dict]:
-    DistributedAttention = _deepspeed()
+    DistributedAttention = load_deepspeed()
     layout = seqpar_hf.ParallelLayout(2, mode="ulysses")
     records = []
     for seq_len in cfg["seq_lens"]:
@@ -204,18 +204,23 @@ def report(records: list[dict]) -> str:
                         ("<= 1.0", "ok"), ("max abs diff", "diff")])
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192], help="full sequence lengths")
+def race_options(p, reps: int, long_reps: int) -> None:
+    """The options this script and vs_peers.py share: the attention shape, the model step, the rounds."""
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--model", default="llama-gqa", choices=sorted(m for m in MODELS if MODELS[m].kind == "causal"))
     p.add_argument("--model-len", type=int, default=2048, help="(b) sequence length; 0 skips (b)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=15, help="rounds at <= 4096 tokens")
-    p.add_argument("--long-reps", type=int, default=5, help="rounds above 4096 tokens")
+    p.add_argument("--reps", type=int, default=reps, help="rounds at <= 4096 tokens")
+    p.add_argument("--long-reps", type=int, default=long_reps, help="rounds above 4096 tokens")
     p.add_argument("--model-reps", type=int, default=4)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192], help="full sequence lengths")
+    p.add_argument("--kv-heads", type=int, default=8)
+    race_options(p, reps=15, long_reps=5)
     p.add_argument("--quick", action="store_true", help="128 / 256 tokens, model at 128 (validation, < 1 min)")
     output_options(p, "vs_deepspeed")
     args = p.parse_args(argv)
