@@ -12,9 +12,10 @@ axolotl-ringmaster 0.2.7's Ulysses (`rm.setup(..., device_type="cpu", inner_attn
     with DeepSpeed's attention at its attention sites (vs_deepspeed.py); the unpatched model with
     ringmaster's own integration (its registered attention + `ContextParallelContextManager`).
 
-The implementations are `benchmarks/peers.py`'s `IMPLS`: a new variant of our attention is one more entry
-there (ours=True), timed, compared and counted against every peer. Peers are optional: one that is not installed, or that refuses a shape,
-is reported with the reason. Install them in a venv of their own (never a CUDA torch):
+The implementations are `benchmarks/peers.py`'s `IMPLS`: a new variant of our attention is one more
+entry there (ours=True), timed, compared and counted against every peer. Peers are optional: one that
+is not installed, or that refuses a shape, is reported with the reason. Install them in a venv of
+their own (never a CUDA torch):
 
     python3 -m venv /work/venvs/peers && . /work/venvs/peers/bin/activate
     pip install torch==2.13.0                                            # the CPU build, first
