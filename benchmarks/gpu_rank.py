@@ -43,8 +43,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing, environment,  # noqa: E402
-                               fmt_bytes, make_batch, summary, table, write_json)
+from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing,  # noqa: E402
+                               environment, fmt_bytes, make_batch, summary, table, write_json)
 from benchmarks.instruments import CollectiveTap  # noqa: E402
 from benchmarks.publish import json_path, output_options, publish  # noqa: E402
 
