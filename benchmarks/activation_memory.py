@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (FIGURES, MODELS, RESULTS, build_model, environment, fmt_bytes, make_batch,  # noqa: E402
-                               table, publish)
+from benchmarks.common import MODELS, build_model, environment, fmt_bytes, make_batch, table  # noqa: E402
+from benchmarks.publish import output_options, publish  # noqa: E402
 
 TARGET_SLACK = 1.10  # saved(sp=N) may exceed saved(sp=1) / N by 10% (replicated masks, indices, loss terms)
 
@@ -158,14 +158,10 @@ def main(argv=None):
     p.add_argument("--modes", nargs="+", default=["ulysses", "ring", "hybrid"], choices=["ulysses", "ring", "hybrid"])
     p.add_argument("--sp1-threads", type=int, default=2, help="torch threads of the sp=1 runs (default: both cores)")
     p.add_argument("--quick", action="store_true", help="seq lens 64 128 (validation, < 1 min)")
-    p.add_argument("--json", default=None, help=f"output records (default {RESULTS}/activation_memory.json; "
-                                                "none with --quick)")
-    p.add_argument("--figures", default=str(FIGURES), help="folder for activation_memory.png")
-    p.add_argument("--no-plot", action="store_true")
+    output_options(p, "activation_memory")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens = [64, 128]
-    json_path = args.json or (None if args.quick else RESULTS / "activation_memory.json")
 
     from tests.helpers.spawn import spawn
 
@@ -182,7 +178,7 @@ def main(argv=None):
     print("\nMegatron columns: all layers (Marian: 6 encoder + 6 decoder; its cross-attention is not in the "
           "formula), fp16 formula x 2 for fp32. Measured includes embeddings and the loss (fp32 log-softmax "
           "of [s/sp, vocab]).")
-    publish("activation_memory", records, json_path, args.figures, plot=not args.no_plot)
+    publish("activation_memory", records, args)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (FIGURES, MODELS, RESULTS, CollectiveTap, attention_modules, build_model,  # noqa: E402
-                               ceil_to, environment, fmt_bytes, make_batch, table, publish)
+from benchmarks.common import (MODELS, attention_modules, build_model, ceil_to, environment, fmt_bytes,  # noqa: E402
+                               make_batch, table)
+from benchmarks.instruments import CollectiveTap, CommMeter  # noqa: E402
+from benchmarks.publish import output_options, publish  # noqa: E402
 
 TOLERANCE = 0.05  # measured within 5% of the formula
 
@@ -89,50 +91,6 @@ def attention_shapes(spec, seq_len: int, tgt_len: int) -> dict:
 # measurement
 
 
-def transfer_bytes(name: str, a: dict) -> tuple[int, int, int]:
-    """(sent, received, payload) bytes of one collective call for the calling rank."""
-    group = a.get("group")
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    if name == "all_to_all_single":
-        out, inp = a["output"], a["input"]
-        in_rows = a["input_split_sizes"] or [inp.shape[0] // n] * n
-        out_rows = a["output_split_sizes"] or [out.shape[0] // n] * n
-        row_in = inp[0].numel() * inp.element_size()
-        row_out = out[0].numel() * out.element_size()
-        return (sum(in_rows) - in_rows[me]) * row_in, (sum(out_rows) - out_rows[me]) * row_out, inp.nbytes
-    if name == "batch_isend_irecv":
-        sent = sum(op.tensor.nbytes for op in a["p2p_op_list"] if op.op.__name__ == "isend")
-        recv = sum(op.tensor.nbytes for op in a["p2p_op_list"] if op.op.__name__ == "irecv")
-        return sent, recv, sent
-    if name in ("all_gather_into_tensor", "all_gather_single"):
-        chunk = a["input_tensor"].nbytes
-        return (n - 1) * chunk, (n - 1) * chunk, chunk
-    if name == "all_reduce":
-        payload = a["tensor"].nbytes
-        return int(2 * (n - 1) / n * payload), int(2 * (n - 1) / n * payload), payload
-    tensor = next((v for v in a.values() if isinstance(v, torch.Tensor)), None)
-    payload = 0 if tensor is None else tensor.nbytes
-    return payload, payload, payload
-
-
-class CommMeter:
-    """Accumulates bytes per (phase, label, collective). The label is the attention kind while an
-    attention module runs (forward: module hooks; backward: an identity autograd node on the module's
-    output that sets the label when the gradient enters the module) and "other" elsewhere."""
-
-    def __init__(self):
-        self.phase, self.label = "forward", "other"
-        self.totals = defaultdict(lambda: [0, 0, 0, 0])  # sent, received, payload, calls
-
-    def record(self, name, arguments):
-        sent, recv, payload = transfer_bytes(name, arguments)
-        t = self.totals[(self.phase, self.label, name)]
-        t[0] += sent
-        t[1] += recv
-        t[2] += payload
-        t[3] += 1
-
-
 class _EnterBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, meter, label):
@@ -146,6 +104,8 @@ class _EnterBackward(torch.autograd.Function):
 
 
 def label_attention(model, meter: CommMeter) -> list:
+    """Set `meter.label` to the attention kind while an attention module runs: forward through module
+    hooks, backward through an identity autograd node on the module's output ("other" elsewhere)."""
     handles = []
     for _, kind, module in attention_modules(model):
         def pre(module, args, kwargs, kind=kind):
@@ -286,13 +246,10 @@ def main(argv=None):
     p.add_argument("--sp", nargs="+", type=int, default=[2, 4])
     p.add_argument("--modes", nargs="+", default=["ulysses", "ring", "hybrid"], choices=["ulysses", "ring", "hybrid"])
     p.add_argument("--quick", action="store_true", help="64 -> 48 tokens (validation, < 1 min)")
-    p.add_argument("--json", default=None, help=f"default {RESULTS}/comm_volume.json (none with --quick)")
-    p.add_argument("--figures", default=str(FIGURES), help="folder for comm_volume.png")
-    p.add_argument("--no-plot", action="store_true")
+    output_options(p, "comm_volume")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_len, args.tgt_len = 64, 48
-    json_path = args.json or (None if args.quick else RESULTS / "comm_volume.json")
 
     from tests.helpers.spawn import spawn
 
@@ -303,7 +260,7 @@ def main(argv=None):
     raw = spawn(_worker, world, args.models, args.seq_len, args.tgt_len, layouts, timeout=1800)[0]
     records = analyse(raw)
     print(report(records))
-    publish("comm_volume", records, json_path, args.figures, plot=not args.no_plot)
+    publish("comm_volume", records, args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""Shared pieces of the benchmark scripts: model presets, batches, timing statistics, tables, JSON,
-and a tap on torch.distributed collectives.
+"""Shared pieces of the benchmark scripts: model presets, batches, timing statistics, tables, JSON.
 
 Vocabulary: *seq_len* is the full (unsharded) sequence length; for encoder-decoder models it is the
 length of the source AND of the target (a Marian step at seq_len 2048 sees 2048 + 2048 tokens).
@@ -9,7 +8,6 @@ length of the source AND of the target (a Marian step at seq_len 2048 sees 2048 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -25,7 +23,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = ROOT / "benchmarks" / "figures"
@@ -202,15 +199,6 @@ def write_json(path: str | Path | None, records: list[dict], quiet: bool = False
         print(f"\nwrote {len(records)} records to {path}")
 
 
-def publish(name: str, records: list[dict], json_path, figures, plot: bool = True) -> None:
-    """Write a benchmark's records to `json_path` and, after a full run, its figure to `figures`."""
-    write_json(json_path, records)
-    if plot and json_path:
-        from benchmarks.plot import PLOTS  # matplotlib only when drawing
-
-        print("figure:", PLOTS[name](records, figures))
-
-
 def environment() -> str:
     import transformers
 
@@ -222,60 +210,10 @@ def ceil_to(n: int, m: int) -> int:
     return math.ceil(n / m) * m
 
 
-# ---------------------------------------------------------------------------------------------
-# a tap on torch.distributed collectives
-
-
-COLLECTIVES = ("all_to_all_single", "batch_isend_irecv", "all_reduce", "all_gather", "all_gather_into_tensor",
-               "all_gather_single", "all_gather_object", "broadcast", "reduce_scatter_tensor", "send", "recv")
-
-
-class CollectiveTap:
-    """Calls `on_call(name, bound_arguments)` before every torch.distributed collective.
-
-    Replaces the functions on `torch.distributed` and every module-level alias of them in the
-    modules whose names start with one of `modules` (seqpar_hf keeps `all_gather_single` under its
-    own names, bound at import). isend/irecv are left alone: P2POp checks their identity, and the ring
-    only uses batch_isend_irecv. DDP's gradient all-reduce runs in C++ and is not seen.
-    """
-
-    def __init__(self, on_call, modules=("seqpar_hf",)):
-        self.on_call, self.modules, self._undo = on_call, modules, []
-
-    def _wrap(self, name, fn):
-        signature = inspect.signature(fn)
-
-        def wrapper(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            self.on_call(name, bound.arguments)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    def __enter__(self):
-        originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-        wrappers = {n: self._wrap(n, fn) for n, fn in originals.items()}
-        targets = [dist] + [m for name, m in list(sys.modules.items())
-                            if m is not None and name.startswith(self.modules)]
-        by_id = {id(fn): n for n, fn in originals.items()}
-        for module in targets:
-            for attr, value in list(vars(module).items()):
-                n = by_id.get(id(value))
-                if n is not None:
-                    setattr(module, attr, wrappers[n])
-                    self._undo.append((module, attr, value))
-        return self
-
-    def __exit__(self, *exc):
-        for module, attr, value in reversed(self._undo):
-            setattr(module, attr, value)
-        self._undo.clear()
-
-
 def records_of(path: str | Path) -> list[dict]:
     return json.loads(Path(path).read_text())
 
 
 __all__ = ["ModelSpec", "MODELS", "build_model", "make_batch", "enable_checkpointing", "disable_checkpointing", "attention_modules",
-           "summary", "fmt_bytes", "table", "write_json", "publish", "environment", "ceil_to", "CollectiveTap",
+           "summary", "fmt_bytes", "table", "write_json", "environment", "ceil_to",
            "RESULTS", "FIGURES", "records_of"]

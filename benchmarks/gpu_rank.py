@@ -43,9 +43,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (FIGURES, MODELS, RESULTS, CollectiveTap, build_model, disable_checkpointing,  # noqa: E402
-                               enable_checkpointing, environment, fmt_bytes, make_batch, summary, table,
-                               publish, write_json)
+from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing,  # noqa: E402
+                               environment, fmt_bytes, make_batch, summary, table, write_json)
+from benchmarks.instruments import CollectiveTap  # noqa: E402
+from benchmarks.publish import json_path, output_options, publish  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,9 +277,7 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--quick", action="store_true", help="lengths 64-128, sp 1 2 4, ulysses + ring, tiny "
                                                         "kernels; runs on CPU (no memory numbers there)")
-    p.add_argument("--json", default=None, help=f"default {RESULTS}/gpu_rank.json (none with --quick)")
-    p.add_argument("--figures", default=str(FIGURES), help="folder for gpu_rank.png")
-    p.add_argument("--no-plot", action="store_true")
+    output_options(p, "gpu_rank")
     args = p.parse_args(argv)
     args.checkpointing = [c == "on" for c in args.checkpointing]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -291,13 +290,12 @@ def main(argv=None):
     elif device.type != "cuda":
         p.error("the full run needs a CUDA GPU; use --quick to check the fake-group path on CPU")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    json_path = args.json or (None if args.quick else RESULTS / "gpu_rank.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# one simulated SP rank on {name}, {dtype}, batch 1, fake process group (no communication)\n"
           f"{environment()}\n")
-    records = run(args, device, dtype, save=lambda recs: write_json(json_path, recs, quiet=True))
+    records = run(args, device, dtype, save=lambda recs: write_json(json_path(args, "gpu_rank"), recs, quiet=True))
     print(report(records))
-    publish("gpu_rank", records, json_path, args.figures, plot=not args.no_plot)
+    publish("gpu_rank", records, args)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from transformers import DataCollatorForSeq2Seq, TrainerCallback  # noqa: E402
 import seqpar_hf  # noqa: E402
 import train_translation as recipe  # noqa: E402
 import translation_data  # noqa: E402
-from benchmarks.common import RESULTS, environment, table, write_json  # noqa: E402
+from benchmarks.common import environment, table  # noqa: E402
+from benchmarks.publish import output_options, publish  # noqa: E402
 from seqpar_hf.training.packing import Seq2SeqPackingCollator  # noqa: E402
 
 
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pack", type=int, nargs="+", default=[128, 256], help="packed row sizes (tokens per side)")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", default=None, help=f"default {RESULTS}/packing_throughput.json (none with --quick)")
+    output_options(p, "packing_throughput", figure=False)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.rounds, args.pack = 4, 1, 1, [128]
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     print(table(rows, [("batches (96 pairs per step)", "config"), ("real tokens/s (median)", "rate"),
                        ("vs group_by_length", "ratio"), ("real tokens per step", "tokens"),
                        ("median step s", "step"), ("per round", "all")]))
-    write_json(args.json or (None if args.quick else RESULTS / "packing_throughput.json"), records)
+    publish("packing_throughput", records, args)
 
 
 if __name__ == "__main__":

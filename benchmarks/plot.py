@@ -122,6 +122,20 @@ def plot_vs_deepspeed(records: list[dict], out_dir=FIGURES) -> Path:
     return _save(fig, out_dir, "vs_deepspeed")
 
 
+def plot_vs_peers(records: list[dict], out_dir=FIGURES) -> Path:
+    """Median time ratio ours / peer per case (min-max bars), one panel per peer; below 1: ours faster."""
+    pairs = sorted({p for r in records for p in r["ratios"]})
+    fig, axes = plt.subplots(1, len(pairs), figsize=(7 * len(pairs), 4.5), squeeze=False)
+    for ax, pair in zip(axes[0], pairs):
+        rs = [r for r in records if pair in r["ratios"]]
+        labels = [(f"attn kv={r['kv_heads']} {r['seq_len']}" if r["part"] == "attention" else f"{r['model']} "
+                   f"{r['seq_len']}") + f" sp={r['sp']}" for r in rs]
+        _bars(ax, labels, [r["ratios"][pair]["median"] for r in rs], [r["ratios"][pair]["min"] for r in rs],
+              [r["ratios"][pair]["max"] for r in rs], f"time {pair}", f"Ulysses, {pair.replace('/', ' / ')}")
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
+    return _save(fig, out_dir, "vs_peers")
+
+
 def plot_gpu_rank(records: list[dict], out_dir=FIGURES) -> Path:
     """Peak memory and step time per rank against sequence length; rows: models, columns: ckpt off/on."""
     steps = [r for r in records if r["part"] == "step"]
@@ -151,7 +165,8 @@ def plot_gpu_rank(records: list[dict], out_dir=FIGURES) -> Path:
 
 
 PLOTS = {"activation_memory": plot_activation_memory, "comm_volume": plot_comm_volume,
-         "throughput": plot_throughput, "vs_deepspeed": plot_vs_deepspeed, "gpu_rank": plot_gpu_rank}
+         "throughput": plot_throughput, "vs_deepspeed": plot_vs_deepspeed, "vs_peers": plot_vs_peers,
+         "gpu_rank": plot_gpu_rank}
 
 
 def main(argv=None):

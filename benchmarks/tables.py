@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -78,30 +79,24 @@ def throughput(records: list[dict]) -> str:
                         ("step s (median, spread, rounds)", "t"), ("tokens/s", "tok")])
 
 
-def vs_deepspeed(records: list[dict]) -> str:
-    from benchmarks.vs_deepspeed import report  # the script's own table
-
-    return report(records)
+TABLES = {"activation_memory": activation_memory, "comm_volume": comm_volume, "throughput": throughput}
+OWN_REPORT = ("vs_deepspeed", "vs_peers", "gpu_rank", "parallel_styles")  # scripts whose `report` renders them
 
 
-def gpu_rank(records: list[dict]) -> str:
-    from benchmarks.gpu_rank import report  # the script's own tables
-
-    return report(records)
-
-
-TABLES = {"activation_memory": activation_memory, "comm_volume": comm_volume, "throughput": throughput,
-          "vs_deepspeed": vs_deepspeed, "gpu_rank": gpu_rank}
+def render(name: str, records: list[dict]) -> str:
+    if name in OWN_REPORT:
+        return importlib.import_module(f"benchmarks.{name}").report(records)
+    return TABLES[name](records)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(RESULTS), help="folder with <name>.json")
     args = p.parse_args(argv)
-    for name, fn in TABLES.items():
+    for name in (*TABLES, *OWN_REPORT):
         path = Path(args.results) / f"{name}.json"
         if path.exists():
-            print(f"### {name}\n\n{fn(records_of(path))}\n")
+            print(f"### {name}\n\n{render(name, records_of(path))}\n")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (FIGURES, MODELS, RESULTS, build_model, environment, make_batch, summary,  # noqa: E402
-                               table, publish)
+from benchmarks.common import MODELS, build_model, environment, make_batch, summary, table  # noqa: E402
+from benchmarks.publish import output_options, publish  # noqa: E402
 
 OVERHEAD_TARGET = 0.05
 
@@ -151,15 +151,12 @@ def main(argv=None):
     p.add_argument("--long-reps", type=int, default=5, help="(b) timed rounds")
     p.add_argument("--skip", choices=["overhead", "long"], default=None)
     p.add_argument("--quick", action="store_true", help="128 / 256 tokens, 2 rounds (validation, < 1 min)")
-    p.add_argument("--json", default=None, help=f"default {RESULTS}/throughput.json (none with --quick)")
-    p.add_argument("--figures", default=str(FIGURES), help="folder for throughput.png")
-    p.add_argument("--no-plot", action="store_true")
+    output_options(p, "throughput")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_len, args.long_len, args.reps, args.long_reps = 128, 256, 2, 2
     if args.threads is None:
         args.threads = 1 if args.quick else 2
-    json_path = args.json or (None if args.quick else RESULTS / "throughput.json")
     spec = MODELS[args.model]
     print(f"# CPU throughput, {spec.name}, fp32, batch 1, forward + backward\n{environment()}\n"
           f"(a) in this process with {args.threads} threads; (b) 2 gloo processes x 1 thread, then 1 process x "
@@ -173,7 +170,7 @@ def main(argv=None):
         records += spawn(_long_worker, 2, spec.name, args.long_len, args.warmup, args.long_reps, timeout=3600)[0]
         records.append(single_process(spec, args.long_len, args.threads, args.warmup, args.long_reps))
     print(report(records))
-    publish("throughput", records, json_path, args.figures, plot=not args.no_plot)
+    publish("throughput", records, args)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import seqpar_hf  # noqa: E402
-from benchmarks.common import (FIGURES, MODELS, RESULTS, attention_modules, build_model, environment,  # noqa: E402
-                               make_batch, summary, table, publish)
+from benchmarks.common import (MODELS, attention_modules, build_model, environment, make_batch, summary,  # noqa: E402
+                               table)
+from benchmarks.publish import output_options, publish  # noqa: E402
 from seqpar_hf.attention import kernels  # noqa: E402
 from seqpar_hf.attention.ulysses import ulysses_attention  # noqa: E402
 from seqpar_hf.models.patch import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
 
 
-def _deepspeed():
+def load_deepspeed():
     """Import DeepSpeed and let deepspeed.comm wrap the already initialised torch process group."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -174,7 +175,7 @@ def _model_case(DistributedAttention, layout, name, seq_len, warmup, reps) -> di
 
 
 def _worker(cfg: dict) -> list[dict]:
-    DistributedAttention = _deepspeed()
+    DistributedAttention = load_deepspeed()
     layout = seqpar_hf.ParallelLayout(2, mode="ulysses")
     records = []
     for seq_len in cfg["seq_lens"]:
@@ -203,26 +204,28 @@ def report(records: list[dict]) -> str:
                         ("<= 1.0", "ok"), ("max abs diff", "diff")])
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192], help="full sequence lengths")
+def race_options(p, reps: int, long_reps: int) -> None:
+    """The options this script and vs_peers.py share: the attention shape, the model step, the rounds."""
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--model", default="llama-gqa", choices=sorted(m for m in MODELS if MODELS[m].kind == "causal"))
     p.add_argument("--model-len", type=int, default=2048, help="(b) sequence length; 0 skips (b)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=15, help="rounds at <= 4096 tokens")
-    p.add_argument("--long-reps", type=int, default=5, help="rounds above 4096 tokens")
+    p.add_argument("--reps", type=int, default=reps, help="rounds at <= 4096 tokens")
+    p.add_argument("--long-reps", type=int, default=long_reps, help="rounds above 4096 tokens")
     p.add_argument("--model-reps", type=int, default=4)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192], help="full sequence lengths")
+    p.add_argument("--kv-heads", type=int, default=8)
+    race_options(p, reps=15, long_reps=5)
     p.add_argument("--quick", action="store_true", help="128 / 256 tokens, model at 128 (validation, < 1 min)")
-    p.add_argument("--json", default=None, help=f"default {RESULTS}/vs_deepspeed.json (none with --quick)")
-    p.add_argument("--figures", default=str(FIGURES), help="folder for vs_deepspeed.png")
-    p.add_argument("--no-plot", action="store_true")
+    output_options(p, "vs_deepspeed")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens, args.model_len, args.reps, args.long_reps, args.model_reps = [128, 256], 128, 3, 3, 2
-    json_path = args.json or (None if args.quick else RESULTS / "vs_deepspeed.json")
     try:
         import deepspeed
     except ImportError:
@@ -235,7 +238,7 @@ def main(argv=None):
                                           "reps", "long_reps", "model_reps")}
     records = spawn(_worker, 2, cfg, timeout=3600)[0]
     print(report(records))
-    publish("vs_deepspeed", records, json_path, args.figures, plot=not args.no_plot)
+    publish("vs_deepspeed", records, args)
 
 
 if __name__ == "__main__":

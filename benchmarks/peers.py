@@ -1,0 +1,129 @@
+"""The Ulysses implementations vs_peers.py races: ours and the peers', each one entry of `IMPLS`.
+
+An entry gives `attention(group, case) -> attend(q, k, v)` (q [b, s/n, h, d], k/v [b, s/n, h_kv, d] per
+rank, as the projections produce them; returns [b, s/n, h, d]) and `model(model, layout)`, which makes an
+unpatched transformers model train with it. A new variant of our attention (a fused q/k/v exchange,
+chunked heads overlapping the all-to-all) is one more `Impl(..., ours=True)`.
+
+- seqpar_hf: `seqpar_hf.attention.ulysses.ulysses_attention` around the local SDPA kernel; the model
+  patched by `seqpar_hf.patch_model`.
+- DeepSpeed 0.19.8: `deepspeed.sequence.layer.DistributedAttention` around the same SDPA call; in the
+  model it replaces our exchange at our attention sites (vs_deepspeed.py).
+- axolotl-ringmaster 0.2.7: its Ulysses (`rm.setup(..., device_type="cpu", inner_attn="sdpa")`), whose
+  inner kernel is transformers' SDPA function (the same `scaled_dot_product_attention` call with
+  `enable_gqa`); in the model, its registered attention and `ContextParallelContextManager`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import seqpar_hf
+from benchmarks.vs_deepspeed import ds_local_attention, load_deepspeed, use_deepspeed_attention
+from seqpar_hf.attention import kernels
+from seqpar_hf.attention.ulysses import ulysses_attention
+
+INSTALL = {"deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8",
+           "ringmaster": "pip install axolotl-ringmaster==0.2.7"}
+
+
+class Unavailable(Exception):
+    """This implementation cannot run here (not installed)."""
+
+
+REFUSALS = (Unavailable, AssertionError, ValueError, NotImplementedError)  # how the peers say no to a shape
+
+
+def need(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise Unavailable(f"not installed: {INSTALL[module]}")
+
+
+@functools.lru_cache(maxsize=None)
+def ringmaster_runtime(world: int):
+    """ringmaster's process-wide runtime: Ulysses over all `world` ranks, HF's SDPA as the inner kernel."""
+    need("ringmaster")
+    import ringmaster as rm
+
+    return rm.setup(rm.RingmasterConfig(size=world, backend=rm.Backend.ULYSSES), device_type="cpu", inner_attn="sdpa")
+
+
+# ---------------------------------------------------------------------------------------------
+# seqpar_hf
+
+
+def ours_attention(group, case):
+    rank = dist.get_rank(group)
+
+    def inner(q, k, v, kv_for_q):  # [b, h_r, s, d]: the full sequence for this rank's heads
+        return kernels.unmasked(q, k, v, case["causal"], case["scale"], kv_for_q)
+
+    def attend(q, k, v):  # HF's [b, s/n, h, d] seen as [b, h, s/n, d], and the result back
+        return ulysses_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, rank,
+                                 inner).transpose(1, 2)
+    return attend
+
+
+def ours_model(model, layout) -> None:
+    seqpar_hf.patch_model(model, layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed
+
+
+def deepspeed_attention(group, case):
+    need("deepspeed")
+    ds = load_deepspeed()(ds_local_attention, group, scatter_idx=2, gather_idx=1)
+    return lambda q, k, v: ds(q, k, v, 0, None, case["causal"], case["scale"])  # batch dim 0, no rotary
+
+
+def deepspeed_model(model, layout) -> None:
+    need("deepspeed")
+    seqpar_hf.patch_model(model, layout)  # our sharding, loss and kernel; DeepSpeed's exchange
+    use_deepspeed_attention(model, load_deepspeed(), layout.sp_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# ringmaster
+
+
+def ringmaster_attention(group, case):
+    ringmaster_runtime(dist.get_world_size(group))
+    from ringmaster.strategies.ulysses import make_ulysses_attention
+
+    forward = make_ulysses_attention("sdpa")
+    module = torch.nn.Module()  # what transformers' SDPA function reads off the attention module
+    module.num_key_value_groups, module.is_causal = case["heads"] // case["kv_heads"], case["causal"]
+
+    def attend(q, k, v):  # ringmaster takes HF's [b, h, s/n, d] and returns [b, s/n, h, d]
+        return forward(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                       scaling=case["scale"], is_causal=case["causal"])[0]
+    return attend
+
+
+def ringmaster_model(model, layout) -> None:
+    runtime = ringmaster_runtime(layout.sp_size)
+    from ringmaster.sp_context import ContextParallelContextManager
+
+    model.set_attn_implementation(runtime.attn_implementation)
+    ContextParallelContextManager([model], runtime.cp_group).install()  # shards the batch in each forward
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    ours: bool  # ratios are ours / peer
+    attention: Callable
+    model: Callable
+
+
+IMPLS = [Impl("seqpar_hf", True, ours_attention, ours_model),
+         Impl("deepspeed", False, deepspeed_attention, deepspeed_model),
+         Impl("ringmaster", False, ringmaster_attention, ringmaster_model)]
