@@ -112,9 +112,9 @@ def build_model(spec: ModelSpec, max_len: int, seed: int = 0, dtype=torch.float3
                              num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, max_position_embeddings=max_len,
                              pad_token_id=0, attention_dropout=0.0)
         cls = LlamaForCausalLM
-    config._attn_implementation = "sdpa"
     with _fast_marian_positions(), torch.device(device):
         model = cls(config)
+    model.set_attn_implementation("sdpa")
     return model.to(dtype).train()
 
 

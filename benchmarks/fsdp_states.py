@@ -38,9 +38,9 @@ def count(sp: int, dp: int) -> dict:
 
     init_group(sp * dp)
     config = LlamaConfig(**{**COMMON, **SIZES["bench-44m"]})
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).train()
+    model.set_attn_implementation("sdpa")
     P = sum(p.numel() for p in model.parameters())
     layout = seqpar_hf.ParallelLayout(sp_size=sp)
     seqpar_hf.patch_model(model, layout, check_inputs=False)

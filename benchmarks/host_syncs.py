@@ -44,8 +44,8 @@ def count(world: int, mode: str, ring_size, layers: int, src: str) -> dict:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
-    config._attn_implementation = "sdpa"
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+                         attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
     layout = seqpar_hf.ParallelLayout(sp_size=world, mode=mode, ring_size=ring_size)
     seqpar_hf.patch_model(model, layout)

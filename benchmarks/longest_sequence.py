@@ -81,8 +81,7 @@ def build(sp: int, checkpointing: bool, tiled: bool, device: str):
     import seqpar_hf
     from seqpar_hf.training.fsdp import shard_model
 
-    config = LlamaConfig(**CONFIG)
-    config._attn_implementation = "sdpa"
+    config = LlamaConfig(**CONFIG, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).train()

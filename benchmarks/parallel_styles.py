@@ -57,8 +57,7 @@ def build(layers: int, seq_len: int):
     torch.manual_seed(0)
     config = LlamaConfig(**MODEL, num_hidden_layers=layers, head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"],
                          max_position_embeddings=max(seq_len, 128), pad_token_id=0, attention_dropout=0.0,
-                         tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+                         tie_word_embeddings=False, attn_implementation="sdpa")
     return LlamaForCausalLM(config).float().train()
 
 

@@ -40,7 +40,7 @@ from benchmarks.common import (MODELS, attention_modules, build_model, environme
 from benchmarks.publish import output_options, publish  # noqa: E402
 from seqpar_hf.attention import kernels  # noqa: E402
 from seqpar_hf.attention.ulysses import ulysses_attention  # noqa: E402
-from seqpar_hf.models.patch import _SITE  # noqa: E402  (the per-module AttentionSite; swapped in (b))
+from seqpar_hf.models.state import site_of  # noqa: E402  (the per-module AttentionSite; swapped in (b))
 
 
 def load_deepspeed():
@@ -141,11 +141,11 @@ def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_head
 def use_deepspeed_attention(model, DistributedAttention, group) -> None:
     """Make every attention site of a patched model call DeepSpeed's Ulysses instead of ours."""
     for _, _, module in attention_modules(model):
-        site = getattr(module, _SITE)
+        site = site_of(module)
         ds_attn = DistributedAttention(ds_local_attention, group, scatter_idx=2, gather_idx=1)
 
         def attend(ctx, q, k, v, causal, window, scale, dropout, ds_attn=ds_attn):
-            if not ctx.spec(site.q_side, site.kv_side, causal, window).trivial or dropout:
+            if not ctx.pattern(site.q_side, site.kv_side, causal, window).spec.trivial or dropout:
                 raise NotImplementedError("the DeepSpeed comparison runs without padding and dropout")
             scale = q.shape[-1] ** -0.5 if scale is None else scale
             out = ds_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, causal, scale)

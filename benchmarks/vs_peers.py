@@ -250,7 +250,7 @@ def main(argv=None):
         found = importlib.util.find_spec(peer) is not None
         print(f"{peer}: " + ("installed" if found else f"NOT installed, skipped (install: {how})"))
 
-    from tests.spawn import spawn
+    from tests.helpers.spawn import spawn
     cfg = {k: getattr(args, k) for k in ("seq_lens", "heads", "kv_heads", "head_dim", "model", "model_len",
                                           "model_worlds", "warmup", "reps", "long_reps", "model_reps")}
     records = [r for n in args.world for r in spawn(_worker, n, cfg, timeout=7200)[0]]
