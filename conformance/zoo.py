@@ -1,0 +1,318 @@
+"""Conformance sweep: every class of transformers' causal-LM and seq2seq-LM auto mappings, tiny, at
+sp=2 (Ulysses and ring) and tp=2 (where the config has a tensor-parallel plan, or is an
+encoder-decoder), in 2 gloo processes, against the unpatched model.
+
+    python -m conformance.zoo                       # everything -> conformance/results/zoo.{json,md}
+    python -m conformance.zoo --sample              # the CI sample (conformance/sample.py)
+    python -m conformance.zoo --classes llama lfm2 MarianMTModel --out /tmp/zoo
+
+Two worker processes are spawned once and loop over the cases; the parent hands out one case at a
+time (so a rank stuck in a collective can never meet the next case's collectives) and combines
+the two ranks' records. A rank that does not report within HANG_SECONDS of the other (gloo's own
+timeout is GLOO_TIMEOUT) is HUNG; a rank that dies is CRASHED; after either, or after any record in
+which something raised after patch_model, the group is killed and a fresh one continues with the
+next case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+GLOO_TIMEOUT = 60  # seconds a collective waits for its peer
+HANG_SECONDS = GLOO_TIMEOUT + 30  # after one rank reported
+CASE_SECONDS = 300  # for a whole case (build, reference, patched, eval)
+PING_SECONDS = 15
+LAYOUTS = ("ulysses", "ring", "tp2")
+RESULTS = Path(__file__).parent / "results"
+CLEAN = ("EXACT", "WRONG", "REFUSED", "NOT-RUNNABLE", "UNBUILDABLE", "NOT-A-TEXT-LM")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, inbox, outbox) -> None:
+    """Loop: wait for the parent's go (a task index), run that case, report."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", RANK=str(rank),
+                      WORLD_SIZE=str(world), TRANSFORMERS_VERBOSITY="error", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT))
+        import seqpar_hf
+        from .case import run_case
+        layouts = {"ulysses": seqpar_hf.ParallelLayout(sp_size=2, mode="ulysses"),
+                   "ring": seqpar_hf.ParallelLayout(sp_size=2, mode="ring"),
+                   "tp2": seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)}
+        outbox.put((rank, "ready", None))
+        while True:
+            index = inbox.get()
+            if index is None:
+                break
+            if index == "ping":  # is the process group still in step after a crash on both ranks?
+                ones = torch.ones(1)
+                dist.all_reduce(ones)
+                outbox.put((rank, "ping", {"ok": ones.item() == world}))
+                continue
+            model_type, class_name, layout = tasks[index]
+            outbox.put((rank, index, run_case(model_type, class_name, layout, layouts)))
+    except BaseException:  # noqa: BLE001
+        outbox.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Group:
+    """Two worker processes sharing one gloo process group."""
+
+    def __init__(self, tasks, world: int = 2):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, tasks, self.inboxes[r], self.outbox),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        ready = self._collect("ready", CASE_SECONDS, CASE_SECONDS)
+        if len(ready) < world:
+            self.close()
+            raise RuntimeError(f"worker group did not start: {ready}")
+
+    def _collect(self, key, first_timeout: float, other_timeout: float) -> dict:
+        """{rank: record} for message `key`; stops early on a dead rank or a timeout."""
+        got, deadline = {}, time.time() + first_timeout
+        while len(got) < len(self.procs):
+            if time.time() > deadline:
+                break
+            try:
+                rank, k, value = self.outbox.get(timeout=1.0)
+            except queue_module.Empty:
+                if any(not p.is_alive() for r, p in enumerate(self.procs) if r not in got):
+                    time.sleep(1.0)  # let a dying rank's last message arrive
+                    while True:
+                        try:
+                            rank, k, value = self.outbox.get_nowait()
+                        except queue_module.Empty:
+                            break
+                        if k == key:
+                            got[rank] = value
+                    break
+                continue
+            if k == "error":
+                got[rank] = {"status": "CRASHED", "reason": f"worker died: {value.strip().splitlines()[-1]}"}
+                continue
+            if k != key:
+                continue
+            got[rank] = value
+            deadline = min(deadline, time.time() + other_timeout)
+        return got
+
+    def run(self, index: int) -> dict:
+        for inbox in self.inboxes:
+            inbox.put(index)
+        return self._collect(index, CASE_SECONDS, HANG_SECONDS)
+
+    def ping(self) -> bool:
+        for inbox in self.inboxes:
+            inbox.put("ping")
+        got = self._collect("ping", PING_SECONDS, PING_SECONDS)
+        return len(got) == len(self.procs) and all(v.get("ok") for v in got.values())
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            try:
+                inbox.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            p.join(timeout=3)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=3)
+
+
+def combine(task, records: dict, exitcodes: list) -> dict:
+    """One row from the ranks' records."""
+    model_type, class_name, layout = task
+    row = {"model_type": model_type, "class": class_name, "layout": layout}
+    if len(records) < 2:
+        missing = [r for r in (0, 1) if r not in records]
+        dead = [r for r in missing if exitcodes[r] is not None]
+        seen = {r: f"{v.get('status')}: {v.get('reason', '')}" for r, v in records.items()}
+        if dead:
+            row.update(status="CRASHED", reason=f"rank {dead} died (exit code {[exitcodes[r] for r in dead]}); "
+                                                f"other ranks: {seen}")
+        else:
+            row.update(status="HUNG", reason=f"rank {missing} did not report within {HANG_SECONDS}s of the "
+                                             f"others; other ranks: {seen}")
+        return row
+    a, b = records[0], records[1]
+    for key in ("attn", "params", "kind", "where", "refusal", "float64"):
+        if key in a:
+            row[key] = a[key]
+    # a gloo timeout on either rank: one rank never joined a collective the other waited in
+    timed_out = any("timed out" in str(r.get("reason", "")).lower() for r in (a, b))
+    if a["status"] != b["status"] or (a["status"] in ("REFUSED", "CRASHED") and a.get("reason") != b.get("reason")):
+        row.update(status="HUNG" if timed_out else "CRASHED",
+                   reason=f"ranks disagree: rank 0 {a['status']}: {a.get('reason', '')} | "
+                          f"rank 1 {b['status']}: {b.get('reason', '')}")
+        return row
+    row.update(status="HUNG" if timed_out and a["status"] == "CRASHED" else a["status"], reason=a.get("reason", ""))
+    for key in ("loss_err", "grad_err", "logits_err"):
+        if key in a:
+            row[key] = max(a[key], b[key])
+    if "grad_err" in a:
+        row["worst_param"] = a["worst_param"] if a["grad_err"] >= b["grad_err"] else b["worst_param"]
+    row["seconds"] = max(a.get("seconds", 0), b.get("seconds", 0))
+    return row
+
+
+def plan_tasks(classes: list[tuple[str, str, str]], layouts=LAYOUTS) -> list[tuple[str, str, str]]:
+    """class x layout; tp2 only where the config class has a tensor-parallel plan or is encoder-decoder."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from .overrides import UNBUILDABLE
+    tasks = []
+    for model_type, class_name, _ in classes:
+        if model_type in UNBUILDABLE:  # known not to build: one row, no layout
+            tasks.append((model_type, class_name, "-"))
+            continue
+        for layout in layouts:
+            if layout == "tp2":
+                model_class = getattr(transformers, class_name, None)
+                config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[model_type]
+                try:
+                    config_class = config_class if isinstance(config_class, type) else CONFIG_MAPPING[model_type]
+                    plan = getattr(config_class, "base_model_tp_plan", None)
+                    text = getattr(config_class, "sub_configs", None) or {}
+                    plan = plan or getattr(text.get("text_config"), "base_model_tp_plan", None)
+                    seq2seq = model_type in _seq2seq_types()
+                except Exception:  # noqa: BLE001
+                    plan, seq2seq = None, False
+                if not plan and not seq2seq:
+                    continue
+            tasks.append((model_type, class_name, layout))
+    return tasks
+
+
+def _seq2seq_types() -> set:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    return set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+
+def sweep(tasks: list, log=print) -> list[dict]:
+    rows, group, i = [], None, 0
+    while i < len(tasks):
+        if group is None:
+            group = Group(tasks)
+        task = tasks[i]
+        records = group.run(i)
+        row = combine(task, records, [p.exitcode for p in group.procs])
+        rows.append(row)
+        log(f"[{i + 1}/{len(tasks)}] {task[0]:26s} {task[1]:42s} {task[2]:8s} {row['status']:12s} "
+            f"{_short(row)}")
+        if row["status"] not in CLEAN and not (_symmetric_crash(records) and group.ping()):
+            group.close()
+            group = None
+        i += 1
+    if group is not None:
+        group.close()
+    return rows
+
+
+def _symmetric_crash(records: dict) -> bool:
+    """Both ranks raised the same error at the same place: their collectives are still paired (checked
+    by a ping), so the group can go on; anything else gets a fresh group."""
+    if len(records) != 2:
+        return False
+    a, b = records[0], records[1]
+    return a.get("status") == b.get("status") == "CRASHED" and a.get("reason") == b.get("reason") and \
+        a.get("where") == b.get("where") and "timed out" not in a.get("reason", "").lower()
+
+
+def _short(row: dict) -> str:
+    if row["status"] in ("EXACT", "WRONG"):
+        errs = " ".join(f"{k[:-4]}={row[k]:.1e}" for k in ("loss_err", "grad_err", "logits_err") if k in row)
+        return errs + (f" | {row['reason']}" if row.get("reason") else "")
+    return (row.get("reason", "") + (f" @ {row['where']}" if row.get("where") else ""))[:300]
+
+
+def write(rows: list[dict], out: Path, wall: float, command: str) -> None:
+    import transformers
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"transformers": transformers.__version__, "wall_seconds": round(wall, 1), "command": command}
+    (out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    counts = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    classes = {}
+    for r in rows:
+        classes.setdefault((r["model_type"], r["class"]), []).append(r["status"])
+    lines = [f"# seqpar_hf conformance sweep (transformers {transformers.__version__})", "",
+             f"`{command}`: {len(classes)} mapping entries, {len(rows)} rows (entry x layout), "
+             f"wall time {wall / 60:.1f} min.", "", "| status | rows |", "|---|---|"]
+    lines += [f"| {s} | {n} |" for s, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    unclear = sum(r.get("refusal") == "unclear" for r in rows)
+    lines += ["", f"REFUSED rows whose error does not say why (not a ValueError / NotImplementedError naming the "
+                  f"structure, or \"found no attention modules\"): {unclear}, marked REFUSED? below."]
+    lines += ["", "Root causes of every WRONG / CRASHED / HUNG / unclear REFUSED row: diagnosis.md.", "",
+              "| class | model_type | layout | status | reason / worst error |", "|---|---|---|---|---|"]
+    for r in rows:
+        detail = _short(r).replace("|", "\\|").replace("\n", " ")
+        status = r["status"] + ("?" if r.get("refusal") == "unclear" else "")
+        lines.append(f"| {r['class']} | {r['model_type']} | {r['layout']} | {status} | {detail} |")
+    (out / "zoo.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--classes", nargs="*", help="model types or class names (default: all)")
+    parser.add_argument("--sample", action="store_true", help="the fixed CI sample (conformance/sample.py)")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .tiny import mapping_classes
+    classes = mapping_classes()
+    if args.sample:
+        from .sample import sample_tasks
+        tasks = sample_tasks()
+        start = time.time()
+        rows = sweep(tasks)
+        write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))
+        return 0
+    if args.classes:
+        classes = [c for c in classes if c[0] in args.classes or c[1] in args.classes]
+    seen, unique = set(), []
+    for c in classes:  # a model type in both mappings with the same class is one entry
+        if (c[0], c[1]) not in seen:
+            seen.add((c[0], c[1]))
+            unique.append(c)
+    tasks = plan_tasks(unique, args.layouts)
+    start = time.time()
+    rows = sweep(tasks)
+    write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))
+    print(f"wrote {args.out}/zoo.json and zoo.md ({len(rows)} rows, {time.time() - start:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
