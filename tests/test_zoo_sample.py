@@ -14,7 +14,7 @@ TASKS = sample_tasks()
 
 
 @pytest.fixture(scope="module")
-def rows():
+def zoo_rows():
     from conformance.zoo import sweep
     return {(r["model_type"], r["layout"]): r for r in sweep(TASKS, log=lambda line: None)}
 
@@ -26,8 +26,8 @@ def _param(model_type, class_name, layout):
 
 
 @pytest.mark.parametrize("model_type,layout", [_param(*t) for t in TASKS])
-def test_zoo_row_exact_or_refused(rows, model_type, layout):
-    row = rows[(model_type, layout)]
+def test_zoo_row_exact_or_refused(zoo_rows, model_type, layout):
+    row = zoo_rows[(model_type, layout)]
     assert row["status"] in ("EXACT", "REFUSED"), row
     if row["status"] == "REFUSED":  # a refusal names the structure and the fix
         assert row.get("refusal") == "clear", row
