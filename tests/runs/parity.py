@@ -35,9 +35,9 @@ def _grad_errors(patched, reference) -> tuple[float, str]:
 
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
-    overrides), checkpointing, eval (compare gathered logits without labels instead of loss + gradients)."""
+    overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels instead of loss + gradients)."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"))
+                                      ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
     reference = copy.deepcopy(model)

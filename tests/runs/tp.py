@@ -33,7 +33,8 @@ def full(t):
 
 def run_case(case: dict) -> dict:
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"), tp_size=case["tp"])
+                                      ring_size=case.get("ring_size"), tp_size=case["tp"],
+                                      head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = build_model(family, **case.get("model", {}))
     reference = copy.deepcopy(model)
