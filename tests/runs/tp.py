@@ -38,6 +38,9 @@ def run_case(case: dict) -> dict:
     family = case["family"]
     model = build_model(family, **case.get("model", {}))
     reference = copy.deepcopy(model)
+    if case.get("checkpointing"):  # the block inputs' re-gather under the checkpoint's own saved-tensor hooks
+        model.gradient_checkpointing_enable()
+        reference.gradient_checkpointing_enable()
     batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
     seqpar_hf.patch_model(model, layout)
     result = {"name": case["name"]}
