@@ -24,16 +24,22 @@ from ..parallel.comm import group_size, heads_to_seq, seq_to_heads
 from .heads import HeadSplit, chunk_plan, max_chunks, split_heads  # noqa: F401  (HeadSplit, split_heads: API)
 from .pipeline import Land, OutLand, OutSend, Pack, Send, _Exchange
 
-# Smallest all-to-all (bytes one rank sends, per chunk) worth an extra exchange: below it the latency
-# of one more collective costs more than the overlap hides (measured: benchmarks/overlap.py).
-MIN_CHUNK_BYTES = {"cpu": 8 << 20, "cuda": 4 << 20}
+# Smallest all-to-all (bytes one rank sends, per chunk) worth an extra exchange, per device type; none
+# listed: one chunk. CPU (gloo) has none: the exchange is memory copies on gloo's threads, which compete
+# with the kernel for the cores (benchmarks/overlap.py: (a) hides at most 0.3 of a 1 MiB exchange and
+# slows 8-32 MiB ones on 2 cores; (b) 2 or 4 chunks never beat one). CUDA: an NCCL exchange runs on the
+# links while the SMs compute; 8 MiB per chunk keeps each chunk's all-to-all well above its launch
+# latency (untested: overlap needs >= 2 GPUs; benchmarks/gpu_rank.py --chunks measures the kernel side).
+MIN_CHUNK_BYTES = {"cuda": 8 << 20}
 MAX_AUTO_CHUNKS = 4
 
 
 def auto_chunks(q: torch.Tensor, k: torch.Tensor, n: int) -> int:
-    """Chunks for this exchange by its size: 1 unless every chunk still moves MIN_CHUNK_BYTES."""
+    """Chunks for this exchange by its size: 1 unless every chunk still sends MIN_CHUNK_BYTES."""
+    floor = MIN_CHUNK_BYTES.get(q.device.type)
+    if floor is None:
+        return 1
     sent = (q.numel() + 2 * k.numel()) * q.element_size() * (n - 1) // n  # what leaves this rank
-    floor = MIN_CHUNK_BYTES.get(q.device.type, MIN_CHUNK_BYTES["cuda"])
     return max(1, min(MAX_AUTO_CHUNKS, max_chunks(q.shape[1], n), sent // floor))
 
 
