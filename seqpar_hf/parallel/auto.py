@@ -85,13 +85,14 @@ def resolve(layout, heads: list[tuple[int, int]]) -> Choice | None:
     if layout.__dict__.get("mode") != "auto":
         return None
     mine = (socket.gethostname(), sorted(set(heads)))
-    everyone = _gather(mine)
-    others = sorted({str(h) for _, h in everyone} - {str(mine[1])})
-    if any(h != mine[1] for _, h in everyone):
-        ranks = [r for r, (_, h) in enumerate(everyone) if h != everyone[0][1]]
-        raise ValueError(f"mode='auto': the ranks patched models with different attention heads ({everyone[0][1]} on "
-                         f"rank 0, {others} elsewhere, e.g. ranks {ranks[:8]}); every rank must patch the same "
-                         "model, or give the layout an explicit mode")
+    everyone = _gather(mine)  # the same list on every rank: every rank takes the same branch below
+    if any(h != mine[1] for _, h in everyone) or any(h != everyone[0][1] for _, h in everyone):
+        kinds = {}
+        for r, (_, h) in enumerate(everyone):
+            kinds.setdefault(str(h), []).append(r)
+        seen = "; ".join(f"ranks {ranks[:8]}: (heads, kv heads) {h}" for h, ranks in kinds.items())
+        raise ValueError(f"mode='auto': the ranks patched models with different attention heads ({seen}); every rank "
+                         "must patch the same model, or give the layout an explicit mode")
     per_host = {}
     for host, _ in everyone:
         per_host[host] = per_host.get(host, 0) + 1
