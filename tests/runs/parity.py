@@ -229,7 +229,8 @@ def _chunked_cases(world: int) -> list[dict]:
     if world == 2:
         return [dict(sp=2, name="ulysses-llama-mqa-chunks-2-checkpointing-two-forwards", family="llama",
                      model=dict(heads=4, kv_heads=1), head_chunks=2, checkpointing=True, second_batch=dict(length=7)),
-                dict(sp=2, name="ulysses-marian-5-heads-chunks-2", family="marian", model=dict(heads=5), head_chunks=2),
+                dict(sp=2, name="ulysses-marian-5-heads-chunks-2", family="marian", model=dict(heads=5, d_model=40),
+                     head_chunks=2),
                 dict(sp=2, mode="auto", name="auto-llama", family="llama", expect=("ulysses", 1))]
     return [dict(sp=4, mode="hybrid", ring_size=2, name="hybrid-sp4-llama-chunks-2", family="llama",
                  model=dict(heads=8, kv_heads=2), head_chunks=2),
