@@ -51,7 +51,7 @@ def attend(layout: ParallelLayout, pattern: Pattern, q: torch.Tensor, k: torch.T
 def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, dropout: float) -> int:
     """How many parts the Ulysses exchange goes in (the same on every rank: it depends on shapes only).
     Attention dropout keeps one, so that its random stream is the unchunked kernel's."""
-    setting = getattr(layout, "head_chunks", "auto")
+    setting = layout.head_chunks
     if dropout > 0:
         return 1
     n = layout.ulysses_size
