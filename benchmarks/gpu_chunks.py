@@ -93,7 +93,8 @@ def report(records: list[dict]) -> str:
             + table(k, [("sp", "sp"), ("tokens", "seq_len"), ("heads / rank", "heads"), ("kv / rank", "kv_heads"),
                         ("chunks", "chunks"), ("ms", "t"), ("/ 1 chunk", "r")])
             + "\n\n(b) one simulated rank's training step (no communication), llama-gqa:\n\n"
-            + table(s, [("sp", "sp"), ("tokens", "seq_len"), ("chunks", "chunks"), ("step s", "t"), ("/ 1 chunk", "r")]))
+            + table(s, [("sp", "sp"), ("tokens", "seq_len"), ("chunks", "chunks"), ("step s", "t"),
+                        ("/ 1 chunk", "r")]))
 
 
 def main(argv=None):

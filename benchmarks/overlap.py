@@ -137,7 +137,7 @@ def ulysses_chunks(seq_len: int, heads: int, kv_heads: int, head_dim: int, reps:
     def run(fn):
         def step():
             x = [t.clone().requires_grad_() for t in (q, k, v)]
-            with Blocked(pipeline._Exchange, "wait", "wait_back") as blocked:
+            with Blocked(pipeline.Exchange, "wait", "wait_back") as blocked:
                 fn(*x, group, rank, inner).backward(grad)
             return {"blocked": blocked.seconds}
         return step
@@ -221,7 +221,8 @@ def _worker(cfg: dict) -> list[dict]:
 
 
 def report(records: list[dict]) -> str:
-    a = [{"w": r["world"], "b": fmt_bytes(r["bytes"]), "c": f"{r['comm_s'] * 1e3:.2f}", "i": f"{r['issue_s'] * 1e3:.3f}",
+    a = [{"w": r["world"], "b": fmt_bytes(r["bytes"]), "c": f"{r['comm_s'] * 1e3:.2f}",
+          "i": f"{r['issue_s'] * 1e3:.3f}",
           "k": f"{r['compute_s'] * 1e3:.2f}", "t": f"{r['both_s'] * 1e3:.2f}", "h": f"{r['hidden']:.2f}"}
          for r in records if r["part"] == "gloo_async"]
     out = "(a) gloo all_to_all_single(async_op=True) with a matmul loop:\n\n" + table(a, [
@@ -233,13 +234,15 @@ def report(records: list[dict]) -> str:
             ratio = r["ratio_vs_chunks1"][name]
             b.append({"w": r["world"], "s": r["seq_len"], "sent": fmt_bytes(r["sent_bytes"]), "v": name,
                       "t": f"{t['median'] * 1e3:.1f}", "bl": "-" if r["blocked_s"][name] is None else
-                      f"{r['blocked_s'][name] * 1e3:.1f}", "r": f"{ratio['median']:.3f} (±{100 * ratio['spread']:.0f}%)"})
+                      f"{r['blocked_s'][name] * 1e3:.1f}",
+                      "r": f"{ratio['median']:.3f} (±{100 * ratio['spread']:.0f}%)"})
     out += "\n\n(b) Ulysses attention forward + backward by chunks:\n\n" + table(b, [
         ("world", "w"), ("tokens", "s"), ("q/k/v sent / rank", "sent"), ("exchange", "v"), ("ms", "t"),
         ("blocked in waits ms", "bl"), ("time / chunks 1", "r")])
     c = [{"w": r["world"], "s": r["seq_len"], "t": f"{r['step_s']['median'] * 1e3:.1f}",
           **{p[0] + k: f"{r[p][key] * (1e3 if key != 'exposed' else 1):.{2 if key == 'exposed' else 1}f}"
-             for p in ("forward", "backward") for k, key in (("b", "blocked_s"), ("a", "transfer_alone_s"), ("e", "exposed"))}}
+             for p in ("forward", "backward")
+             for k, key in (("b", "blocked_s"), ("a", "transfer_alone_s"), ("e", "exposed"))}}
          for r in records if r["part"] == "ring_hops"]
     out += "\n\n(c) ring attention: time blocked waiting for transfers vs the transfers alone:\n\n" + table(c, [
         ("world", "w"), ("tokens", "s"), ("fwd+bwd ms", "t"), ("fwd blocked ms", "fb"), ("fwd alone ms", "fa"),

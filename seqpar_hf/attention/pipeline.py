@@ -1,16 +1,16 @@
 """The autograd steps of the fused, pipelined Ulysses exchange (`attention/ulysses.py` runs them).
 
-A chunk's exchange is two nodes: `_Send` starts the all-to-all, `_Land` waits for it and unpacks.
-Their backward is the mirror: `_Land.backward` packs the gradients and starts the reverse exchange,
-`_Send.backward` waits for it. Between the two, autograd runs whatever it has ready with a later
+A chunk's exchange is two nodes: `Send` starts the all-to-all, `Land` waits for it and unpacks.
+Their backward is the mirror: `Land.backward` packs the gradients and starts the reverse exchange,
+`Send.backward` waits for it. Between the two, autograd runs whatever it has ready with a later
 creation order (the engine runs ready nodes newest first): in the forward the driver creates chunk
-c+1's `_Send` before chunk c's kernel, so the backward runs chunk c's kernel backward while chunk
-c+1's gradients travel. The output side is the same with `_OutSend` / `_OutLand`. An `_Exchange`
+c+1's `Send` before chunk c's kernel, so the backward runs chunk c's kernel backward while chunk
+c+1's gradients travel. The output side is the same with `OutSend` / `OutLand`. An `Exchange`
 token carries the pending work from one node to its partner; nothing here reads a tensor's value.
 
 Every step only copies: the arithmetic is the kernel's, so one chunk is bit-identical to exchanging
-q, k, v and the output with four separate all-to-alls. Buffers are flat where q and kv rows differ
-in length (cross-attention: s_q != s_k).
+q, k, v and the output with four separate all-to-alls. The q/k/v buffers are flat (element counts),
+so query and kv rows may differ in length (cross-attention: s_q != s_k).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..parallel.comm import start_all_to_all
 from .heads import ChunkPlan
 
 
-class _Exchange:
+class Exchange:
     """The pending all-to-all between two nodes: forward (work, buffers kept alive until it completes)
     and backward (recv, work, buffers)."""
 
@@ -114,7 +114,7 @@ class Send(torch.autograd.Function):
     """Start one chunk's q/k/v exchange; backward: wait for the gradients `Land.backward` sent."""
 
     @staticmethod
-    def forward(ctx, send, send_rows, recv_rows, group, token: _Exchange):
+    def forward(ctx, send, send_rows, recv_rows, group, token: Exchange):
         ctx.token = token
         return token.start(send, send_rows, recv_rows, group)
 
@@ -129,7 +129,7 @@ class Land(torch.autograd.Function):
     gradients the same way and start the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, recv, token: _Exchange, dims, send_rows, recv_rows, group):
+    def forward(ctx, recv, token: Exchange, dims, send_rows, recv_rows, group):
         n, m, m_kv, b, s_q, s_k, d = dims
         ctx.token, ctx.dims, ctx.rows, ctx.group = token, dims, (send_rows, recv_rows), group
         token.wait()
@@ -168,7 +168,7 @@ class OutSend(torch.autograd.Function):
     rank j; backward: wait for dO and lay it out as [b, m, n s, d]."""
 
     @staticmethod
-    def forward(ctx, out, n, send_rows, recv_rows, group, token: _Exchange):
+    def forward(ctx, out, n, send_rows, recv_rows, group, token: Exchange):
         b, m, full, d = out.shape
         ctx.token, ctx.dims = token, (n, m, b, full // n, d)
         # [b, m, n, s, d] -> [n, m, b, s, d] -> [n m, b, s, d]: rows of block j go to rank j

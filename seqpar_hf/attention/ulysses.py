@@ -21,15 +21,18 @@ from typing import Callable
 import torch
 
 from ..parallel.comm import group_size, heads_to_seq, seq_to_heads
-from .heads import HeadSplit, chunk_plan, max_chunks, split_heads  # noqa: F401  (HeadSplit, split_heads: API)
-from .pipeline import Land, OutLand, OutSend, Pack, Send, _Exchange
+from .heads import HeadSplit, chunk_plan, max_chunks, split_heads
+from .pipeline import Exchange, Land, OutLand, OutSend, Pack, Send
+
+__all__ = ["HeadSplit", "split_heads", "ulysses_attention", "ulysses_attention_separate", "auto_chunks"]
 
 # Smallest all-to-all (bytes one rank sends, per chunk) worth an extra exchange, per device type; none
-# listed: one chunk. CPU (gloo) has none: the exchange is memory copies on gloo's threads, which compete
-# with the kernel for the cores (benchmarks/overlap.py: (a) hides at most 0.3 of a 1 MiB exchange and
-# slows 8-32 MiB ones on 2 cores; (b) 2 or 4 chunks never beat one). CUDA: an NCCL exchange runs on the
-# links while the SMs compute; 8 MiB per chunk keeps each chunk's all-to-all well above its launch
-# latency (untested: overlap needs >= 2 GPUs; benchmarks/gpu_rank.py --chunks measures the kernel side).
+# listed: one chunk. CPU (gloo) has none: gloo's asynchronous exchange does run on its own threads (the
+# call returns in ~1% of the exchange's time), but those copy memory on the cores the kernel uses
+# (benchmarks/overlap.py on 2 cores: (a) at most ~0.3-0.7 of an exchange hidden, often less than none;
+# (b) 2 or 4 chunks no consistent gain over one, 3-11% slower at 1K tokens). CUDA: an NCCL exchange
+# runs on the links while the SMs compute; 8 MiB per chunk keeps each chunk's all-to-all well above its
+# launch latency (untested: overlap needs >= 2 GPUs; benchmarks/gpu_chunks.py measures the kernel side).
 MIN_CHUNK_BYTES = {"cuda": 8 << 20}
 MAX_AUTO_CHUNKS = 4
 
@@ -71,8 +74,8 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     b, _, s_q, d = query.shape
     per_q, per_kv = b * s_q * d, b * key.shape[2] * d  # elements of one head's rows
     sends = Pack.apply(query, key, value, plan)  # per chunk: flat, grouped by destination
-    tokens_in = [_Exchange() for _ in range(plan.chunks)]
-    tokens_out = [_Exchange() for _ in range(plan.chunks)]
+    tokens_in = [Exchange() for _ in range(plan.chunks)]
+    tokens_out = [Exchange() for _ in range(plan.chunks)]
 
     def rows(c):  # (elements to each rank, elements from each rank) of chunk c
         mine = plan.pieces[c][rank]

@@ -99,6 +99,7 @@ def resolve(layout, heads: list[tuple[int, int]]) -> Choice | None:
     choice = choose(layout.sp_size, list(heads), min(per_host.values()), layout.tp_size)
     layout._resolve(choice.mode, choice.ring_size)
     if dist.get_rank() == 0:
-        logger.info("seqpar_hf mode='auto' chose mode=%r ring_size=%s: %s", choice.mode, choice.ring_size, choice.reason)
+        logger.info("seqpar_hf mode='auto' chose mode=%r ring_size=%s: %s", choice.mode, choice.ring_size,
+                    choice.reason)
     layout.auto_choice = choice
     return choice

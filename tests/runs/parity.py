@@ -35,7 +35,8 @@ def _grad_errors(patched, reference) -> tuple[float, str]:
 
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
-    overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels instead of loss + gradients)."""
+    overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels
+    instead of loss + gradients)."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
                                       ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
