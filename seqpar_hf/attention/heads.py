@@ -68,10 +68,23 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Run:
+    """A run of consecutive heads of q (kind 0), k (1) or v (2) in a chunk's send buffer."""
+
+    kind: int
+    lo: int  # source heads [lo, hi): global q heads, or global kv heads
+    hi: int
+    q_before: int  # query-length and kv-length head rows before it in the buffer
+    kv_before: int
+
+
+@dataclass(frozen=True)
 class ChunkPlan:
     split: HeadSplit
     pieces: tuple[tuple[Piece, ...], ...]  # [chunk][destination rank]
     kv_rows: int  # sum(split.kv_sizes): kv heads sent, replicas counted
+    runs: tuple[tuple[Run, ...], ...] = ()  # [chunk]: the send buffer, run by run (destination j's q, k, v, ...)
+    order: tuple[tuple[tuple[int, int], ...], ...] = ()  # [kind]: (chunk, run) in q head / kv send-row order
     _index: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -113,4 +126,17 @@ def chunk_plan(num_heads: int, num_kv_heads: int, n: int, chunks: int = 1) -> Ch
             lo, done = hi, use[1]
         q_start += hq
         kv_row += split.kv_sizes[j]
-    return ChunkPlan(split, tuple(tuple(p) for p in pieces), kv_row)
+    runs, keys = [], ([], [], [])
+    for c, chunk in enumerate(pieces):
+        runs.append([])
+        q_rows = kv_rows = 0
+        for p in chunk:
+            g0 = p.kv[0] if split.kv_send is None or not p.kv_heads else split.kv_send[p.kv[0]]  # global kv head
+            for kind, (lo, hi), dest in ((0, p.q, p.q[0]), (1, (g0, g0 + p.kv_heads), p.kv[0]),
+                                         (2, (g0, g0 + p.kv_heads), p.kv[0])):
+                if hi > lo:
+                    keys[kind].append((dest, c, len(runs[c])))
+                    runs[c].append(Run(kind, lo, hi, q_rows, kv_rows))
+                    q_rows, kv_rows = (q_rows + hi - lo, kv_rows) if kind == 0 else (q_rows, kv_rows + hi - lo)
+    order = tuple(tuple((c, i) for _, c, i in sorted(k)) for k in keys)
+    return ChunkPlan(split, tuple(tuple(p) for p in pieces), kv_row, tuple(tuple(r) for r in runs), order)

@@ -50,64 +50,49 @@ class Exchange:
         return recv
 
 
-def _put(buf: torch.Tensor, off: int, x: torch.Tensor) -> int:
-    n = x.numel()
-    if n:
-        buf[off:off + n].view(x.shape).copy_(x)
-    return off + n
-
-
-def _take(buf: torch.Tensor, off: int, dst: torch.Tensor) -> int:
-    """dst [b, s, m, d] (a view) <- buf's next m * b * s * d elements, laid out [m, b, s, d]."""
-    b, s, m, d = dst.shape
-    n = dst.numel()
-    if n:
-        dst.copy_(buf[off:off + n].view(m, b, s, d).permute(1, 2, 0, 3))
-    return off + n
-
-
 class Pack(torch.autograd.Function):
     """q [b, h, s_q, d], k/v [b, g, s_k, d] -> one flat send buffer per chunk: for each destination
-    rank, its query heads [m, b, s_q, d], then its new kv heads of k, then of v [m_kv, b, s_k, d]."""
+    rank, its query heads [m, b, s_q, d], then its new kv heads of k, then of v [m_kv, b, s_k, d]
+    (the runs of `ChunkPlan.runs`). Backward: each gradient run back in place, one concatenation per
+    tensor (`ChunkPlan.order`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: ChunkPlan):
         ctx.plan, ctx.shapes = plan, (q.shape, k.shape)
-        kv_send = plan.split.kv_send
-        qt, kt, vt = (x.permute(1, 0, 2, 3) for x in (q, k, v))  # [heads, b, s, d] views
+        sources = [x.permute(1, 0, 2, 3) for x in (q, k, v)]  # [heads, b, s, d] views
+        if q.shape[2] == k.shape[2]:  # rows of one length: one copy
+            return tuple(torch.cat([sources[r.kind][r.lo:r.hi] for r in runs]).view(-1) for runs in plan.runs)
         per_q, per_kv = q[:, :1].numel(), k[:, :1].numel()  # elements of one head
         sends = []
-        for chunk in plan.pieces:
-            buf = q.new_empty(sum(p.heads * per_q + 2 * p.kv_heads * per_kv for p in chunk))
-            off = 0
-            for p in chunk:
-                off = _put(buf, off, qt[p.q[0]:p.q[1]])
-                g0 = p.kv[0] if kv_send is None or not p.kv_heads else kv_send[p.kv[0]]  # a run of global kv heads
-                for t in (kt, vt):
-                    off = _put(buf, off, t[g0:g0 + p.kv_heads])
+        for runs in plan.runs:  # cross-attention: q and kv rows differ in length
+            buf = q.new_empty(sum((r.hi - r.lo) * (per_kv if r.kind else per_q) for r in runs))
+            for r in runs:
+                off, x = r.q_before * per_q + r.kv_before * per_kv, sources[r.kind][r.lo:r.hi]
+                buf[off:off + x.numel()].view(x.shape).copy_(x)
             sends.append(buf)
         return tuple(sends)
 
     @staticmethod
     def backward(ctx, *grads):
         plan, (q_shape, k_shape) = ctx.plan, ctx.shapes
-        (b, h, s_q, d), (_, g, s_k, _) = q_shape, k_shape
+        (b, _, s_q, d), (_, g, s_k, _) = q_shape, k_shape
         like = next(x for x in grads if x is not None)
-        dq = like.new_empty(b, s_q, h, d)
-        dkv = like.new_empty(2, b, s_k, plan.kv_rows, d)  # in the send order of the kv heads
-        for chunk, grad in zip(plan.pieces, grads):
-            grad = like.new_zeros(sum(p.heads * b * s_q * d + 2 * p.kv_heads * b * s_k * d for p in chunk)) \
-                if grad is None else grad
-            off = 0
-            for p in chunk:
-                off = _take(grad, off, dq[:, :, p.q[0]:p.q[1]])
-                for t in dkv:
-                    off = _take(grad, off, t[:, :, p.kv[0]:p.kv[1]])
-        dk, dv = (t.transpose(1, 2) for t in dkv)  # [b, s_k, rows, d] -> [b, rows, s_k, d]
+        per = (b * s_q * d, b * s_k * d)
+
+        def run(c, i):  # [m, b, s, d] of run i of chunk c -> [b, s, m, d]
+            r, grad = plan.runs[c][i], grads[c]
+            m, s, one = r.hi - r.lo, (s_q, s_k, s_k)[r.kind], per[r.kind > 0]
+            if grad is None:
+                return like.new_zeros(b, s, m, d)
+            off = r.q_before * per[0] + r.kv_before * per[1]
+            return grad[off:off + m * one].view(m, b, s, d).permute(1, 2, 0, 3)
+
+        # [b, s, heads, d] in head (kv: send-row) order -> [b, heads, s, d]
+        dq, dk, dv = (torch.cat([run(c, i) for c, i in order], dim=2).transpose(1, 2) for order in plan.order)
         if plan.split.kv_send is not None:  # replicated kv heads: sum their copies, as index_select's backward
             index = plan.kv_send_index(like.device)
             dk, dv = (like.new_zeros(b, g, s_k, d).index_add_(1, index, t) for t in (dk, dv))
-        return dq.transpose(1, 2), dk, dv, None
+        return dq, dk, dv, None
 
 
 class Send(torch.autograd.Function):
@@ -133,6 +118,9 @@ class Land(torch.autograd.Function):
         n, m, m_kv, b, s_q, s_k, d = dims
         ctx.token, ctx.dims, ctx.rows, ctx.group = token, dims, (send_rows, recv_rows), group
         token.wait()
+        if s_q == s_k:  # one copy: [n, rows, b, s, d] -> [b, rows, n, s, d] -> [b, rows, n s, d], then views
+            rows = recv.view(n, m + 2 * m_kv, b, s_q, d).permute(2, 1, 0, 3, 4).reshape(b, m + 2 * m_kv, n * s_q, d)
+            return rows[:, :m], rows[:, m:m + m_kv], rows[:, m + m_kv:]
         per_source = recv.view(n, -1)
         split = m * b * s_q * d
         # [n, m, b, s_q, d] -> [b, m, n, s_q, d] -> [b, m, n s_q, d]
