@@ -133,7 +133,8 @@ class ParallelLayout:
     def __getattr__(self, name):  # only reached for attributes not set: an auto layout not resolved yet
         if name.startswith("__") or self.__dict__.get("mode") != "auto":
             raise AttributeError(name)
-        raise RuntimeError(f"ParallelLayout(mode='auto').{name}: not known before seqpar_hf.patch_model(model, "
+        # an AttributeError, so that hasattr / getattr with a default still work
+        raise AttributeError(f"ParallelLayout(mode='auto').{name}: not known before seqpar_hf.patch_model(model, "
                            "layout) chooses the layout from the model's heads; patch the model first")
 
     def _build(self):

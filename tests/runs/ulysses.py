@@ -71,7 +71,7 @@ def _auto_refusals() -> dict:
     out = {}
     try:
         layout.ulysses_group
-    except RuntimeError as exc:
+    except AttributeError as exc:
         out["before"] = str(exc)
     heads = 4 if dist.get_rank() == 0 else 8
     try:
