@@ -5,8 +5,10 @@ One forward + backward of the patched model (no DDP: its gradient all-reduce is 
 without SP and runs in C++, out of the wrappers' sight). Per attention call, fp32 (e bytes/element),
 b batch, d head dim, h query heads, g kv heads, local lengths s_q, s_k = padded length / sp:
 
-- Ulysses over n ranks (Jacobs et al. 2023): 4 all-to-alls forward (q, k, v, out), each sending
-  (n-1)/n of the local tensor, and the 4 mirror ones backward:
+- Ulysses over n ranks (Jacobs et al. 2023): one all-to-all forward carrying q, k and v packed by
+  destination rank and one for the output, each sending (n-1)/n of what it carries, and the 2 mirror
+  ones backward (the one-by-one exchange, DeepSpeed's, takes 4 and 4 for the same bytes; with c head
+  chunks each becomes c all-to-alls, again the same bytes):
       forward = backward = (n-1)/n * b * d * e * (2 h s_q + 2 g' s_k),  g' = max(g, n)
   (with fewer kv heads than ranks every rank receives one kv head: kv heads are replicated).
 - Ring over r ranks (seqpar_hf/ring.py): forward passes the stacked K/V block r-1 times; backward

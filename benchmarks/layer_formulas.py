@@ -36,10 +36,9 @@ def llama_activations(p: dict, t: int, sp: int, sequence_parallel: bool) -> floa
 
 
 def extras(p: dict, name: str, kind: str, t: int, sp: int) -> dict:
-    """Bytes per layer per rank that seqpar_hf saves beyond `llama_activations`, each named."""
+    """Bytes per layer per rank that seqpar_hf saves beyond `llama_activations`, each named. (The
+    gathered TP block inputs are saved as this rank's slice and gathered again in the backward.)"""
     tokens, h, out = p["s"] * p["b"] * E, p["h"], {}
-    if kind == "seqpar" and t > 1:  # the all-gathered inputs of q/k/v and gate/up, saved whole by the linears
-        out["gathered block inputs"] = 2 * h * (1 / sp - 1 / (t * sp)) * tokens
     if kind == "seqpar" and sp > 1 and name != "ring":  # Ulysses: kernel output (heads-sharded) and o_proj input
         out["attention output twice"] = h / (t * sp) * tokens
     return out
@@ -57,7 +56,9 @@ def comm_formula(name: str, p: dict, t: int, sp: int) -> dict:
         return out
     if "TP+SP" in name:  # per block an all-gather of the block input and a reduce-scatter of its output
         n_tok = N / sp  # the SP-local sequence
-        out["forward"] = out["backward"] = 4 * (t - 1) / t * n_tok
+        out["forward"] = 4 * (t - 1) / t * n_tok
+        # backward: their mirrors, and the block input gathered again (it was saved as the slice)
+        out["backward"] = 6 * (t - 1) / t * n_tok
         out["payload"] = 4 * n_tok
     u = sp if name != "ring" else 1
     if u > 1:  # Ulysses: q, k, v in, o out; heads = this TP rank's share

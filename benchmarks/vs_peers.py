@@ -1,7 +1,9 @@
 """Our Ulysses against the peers' Ulysses, side by side in the same 2 and 4 gloo processes (1 torch
 thread each), on the same q/k/v and the same SDPA call, the implementations alternating within each
-round (A B C, then B C A, C A B, ...): seqpar_hf, DeepSpeed 0.19.8 `DistributedAttention` and
-axolotl-ringmaster 0.2.7's Ulysses (`rm.setup(..., device_type="cpu", inner_attn="sdpa")`).
+round (A B C, then B C A, C A B, ...): seqpar_hf (q/k/v in one all-to-all, head chunks by size), the
+same forced into 2 head chunks, DeepSpeed 0.19.8 `DistributedAttention`, axolotl-ringmaster 0.2.7's
+Ulysses (`rm.setup(..., device_type="cpu", inner_attn="sdpa")`) and our previous exchange (q, k, v
+and the output one by one).
 
 (a) Attention forward + backward, GQA (8 heads, 2 or 4 kv heads, head dim 64, causal), from
     latency-bound (256-1024 tokens) to bandwidth-bound (8K-16K): each one's median time, the median of
@@ -23,12 +25,15 @@ their own (never a CUDA torch):
 
     python benchmarks/vs_peers.py           # sp 2 and 4, 256-16384 tokens, kv 2 and 4; model at 2048
     python benchmarks/vs_peers.py --quick   # 256 / 1024 tokens, model at 256 (validation, < 2 min)
+    python benchmarks/vs_peers.py --model-lens 256 1024 8192 --model-worlds 2 4   # the step at several lengths
+    python benchmarks/vs_peers.py --impls seqpar_hf deepspeed   # a subset of benchmarks/peers.py's IMPLS
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import importlib.util
 import sys
@@ -102,11 +107,11 @@ def _max_diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def _set_up(setup) -> tuple[dict, dict]:
+def _set_up(setup, names) -> tuple[dict, dict]:
     """({name: setup(impl)} for the implementations every rank could set up, {name: why not} for the rest).
     The peers refuse a shape before their first collective, on every rank alike."""
     done, refused = {}, {}
-    for impl in IMPLS:
+    for impl in (i for i in IMPLS if i.name in names):
         try:
             value, reason = setup(impl), None
         except REFUSALS as exc:
@@ -118,7 +123,7 @@ def _set_up(setup) -> tuple[dict, dict]:
     return done, refused
 
 
-def attention_case(group, case: dict, warmup: int, reps: int) -> dict:
+def attention_case(group, case: dict, warmup: int, reps: int, names) -> dict:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(0)  # the same full tensors on every rank; each takes its shard
     s_loc = case["seq_len"] // n
@@ -142,17 +147,17 @@ def attention_case(group, case: dict, warmup: int, reps: int) -> dict:
         for t in (q, k, v):
             t.grad = None
 
-    attends, refused = _set_up(setup)
+    attends, refused = _set_up(setup, names)
     return {"part": "attention", "sp": n, **{k: v for k, v in case.items() if k != "scale"}, "refused": refused,
             "collectives": {name: _counted(functools.partial(step, a), CommMeter()) for name, a in attends.items()},
             **race({name: functools.partial(_fwd_bwd, a, q, k, v, grad) for name, a in attends.items()},
                    warmup, reps, _max_diff)}
 
 
-def model_case(layout, name: str, seq_len: int, warmup: int, reps: int) -> dict:
-    """One training step of `name` with each implementation; the losses compared once, in eval mode
-    (where every implementation reports the whole sequence's mean)."""
-    spec = MODELS[name]
+def model_case(layout, name: str, layers: int, seq_len: int, warmup: int, reps: int, names) -> dict:
+    """One training step of `name` (with `layers` layers) with each implementation; the losses compared
+    once, in eval mode (where every implementation reports the whole sequence's mean)."""
+    spec = dataclasses.replace(MODELS[name], layers=layers)
     base, batch = build_model(spec, max_len=seq_len), make_batch(spec, seq_len)
 
     def setup(impl):
@@ -169,10 +174,11 @@ def model_case(layout, name: str, seq_len: int, warmup: int, reps: int) -> dict:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    models, refused = _set_up(setup)
+    models, refused = _set_up(setup, names)
     losses = {n: loss for n, (_, loss) in models.items()}
     first = next(iter(losses.values()))
-    return {"part": "model", "model": name, "sp": layout.sp_size, "seq_len": seq_len, "refused": refused,
+    return {"part": "model", "model": name, "layers": layers, "sp": layout.sp_size, "seq_len": seq_len,
+            "refused": refused,
             "loss": losses, "loss_abs_diff": {n: abs(loss - first) for n, loss in losses.items()},
             "collectives": {n: _counted(functools.partial(step, m), CommMeter()) for n, (m, _) in models.items()},
             **race({n: functools.partial(step, m) for n, (m, _) in models.items()}, warmup, reps)}
@@ -188,9 +194,12 @@ def _worker(cfg: dict) -> list[dict]:
                     "causal": True, "scale": cfg["head_dim"] ** -0.5}
             short = seq_len <= 4096  # long ones: the checking and the counted call were the warm-up
             records.append(attention_case(layout.sp_group, case, cfg["warmup"] if short else 0,
-                                          cfg["reps"] if short else cfg["long_reps"]))
-    if cfg["model_len"] and n in cfg["model_worlds"]:
-        records.append(model_case(layout, cfg["model"], cfg["model_len"], cfg["warmup"], cfg["model_reps"]))
+                                          cfg["reps"] if short else cfg["long_reps"], cfg["impls"]))
+    for layers in cfg["layers"] if n in cfg["model_worlds"] else ():
+        for seq_len in cfg["model_lens"]:
+            short = seq_len <= 4096
+            records.append(model_case(layout, cfg["model"], layers, seq_len, cfg["warmup"],
+                                      cfg["model_reps"] if short else cfg["long_reps"], cfg["impls"]))
     return records if dist.get_rank() == 0 else []
 
 
@@ -200,7 +209,7 @@ def _worker(cfg: dict) -> list[dict]:
 
 def _what(r: dict) -> str:
     if r["part"] == "model":
-        return f"{r['model']} step"
+        return f"{r['model']} ({r['layers']} layers) step"
     return f"attention h={r['heads']} kv={r['kv_heads']} d={r['head_dim']}"
 
 
@@ -238,12 +247,16 @@ def main(argv=None):
     p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 1024, 8192, 16384], help="full lengths")
     p.add_argument("--kv-heads", nargs="+", type=int, default=[2, 4])
     p.add_argument("--model-worlds", nargs="+", type=int, default=[2], help="world sizes that run (b)")
+    p.add_argument("--model-lens", nargs="+", type=int, default=None, help="(b) lengths (default: --model-len)")
+    p.add_argument("--layers", nargs="+", type=int, default=[8], help="(b) layer counts of the model")
+    p.add_argument("--impls", nargs="+", default=[i.name for i in IMPLS], choices=[i.name for i in IMPLS])
     race_options(p, reps=10, long_reps=3)
     p.add_argument("--quick", action="store_true", help="256 / 1024 tokens, model at 256 (validation, < 2 min)")
     output_options(p, "vs_peers")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens, args.model_len, args.reps, args.model_reps = [256, 1024], 256, 3, 2
+    args.model_lens = args.model_lens or ([args.model_len] if args.model_len else [])
     print(f"# Ulysses: seqpar_hf vs DeepSpeed vs ringmaster, fp32, batch 1\n{environment()}; "
           f"gloo processes x 1 torch thread")
     for peer, how in INSTALL.items():
@@ -251,8 +264,9 @@ def main(argv=None):
         print(f"{peer}: " + ("installed" if found else f"NOT installed, skipped (install: {how})"))
 
     from tests.helpers.spawn import spawn
-    cfg = {k: getattr(args, k) for k in ("seq_lens", "heads", "kv_heads", "head_dim", "model", "model_len",
-                                          "model_worlds", "warmup", "reps", "long_reps", "model_reps")}
+    cfg = {k: getattr(args, k) for k in ("seq_lens", "heads", "kv_heads", "head_dim", "model", "model_lens",
+                                          "layers", "model_worlds", "warmup", "reps", "long_reps", "model_reps",
+                                          "impls")}
     records = [r for n in args.world for r in spawn(_worker, n, cfg, timeout=7200)[0]]
     print("\n" + report(records))
     publish("vs_peers", records, args)

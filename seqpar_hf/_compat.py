@@ -24,6 +24,13 @@ def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
     return mesh[dims]._flatten(name)
 
 
+def outer_saved_tensors_hooks():
+    """(pack, unpack) of the saved-tensors hooks active now (activation checkpointing's, a profiler's),
+    or None. The TP re-gather (`models/regather.py`) installs hooks of its own inside a block and hands
+    every tensor it does not handle to these; torch has no public getter."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 # Private aten attention ops used by the ring blocks (forward returning the log-sum-exp, and the
 # backward taking it). Checked once; without them the blocks use the math path, with one warning.
 _RING_OPS = {

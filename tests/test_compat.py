@@ -21,6 +21,15 @@ def test_torch_device_mesh_flatten():
     assert "mesh_dim_name" in inspect.signature(DeviceMesh._flatten).parameters
 
 
+def test_torch_outer_saved_tensors_hooks():
+    def pack(t):
+        return t
+
+    assert _compat.outer_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, pack):
+        assert _compat.outer_saved_tensors_hooks()[0] is pack
+
+
 def test_torch_private_attention_ops_exist():
     for device in ("cpu", "cuda"):
         for name in _compat._RING_OPS[device]:

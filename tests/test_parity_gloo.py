@@ -36,6 +36,9 @@ def _params():
 def test_parity(results, size, name):
     per_rank = results(size)[name]
     assert len(per_rank) == size
+    expect = next(c.get("expect") for c in CASES[size] if c["name"] == name)
+    if expect:  # mode="auto": what it chose, on every rank
+        assert all((r["mode"], r["ring_size"]) == expect for r in per_rank), per_rank[0]
     for r in per_rank:
         if "logits_err" in r:
             assert r["logits_err"] < TOL, r

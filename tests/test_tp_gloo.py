@@ -24,6 +24,7 @@ def results(spawned):
                 for r in rank_results["cases"]:
                     cache[size][r["name"]].append(r)
             cache[size]["refusals"] = [r.get("refusals") for r in per_rank]
+            cache[size]["regather"] = [r.get("regather") for r in per_rank]
         return cache[size]
     return get
 
@@ -52,3 +53,9 @@ def refusals(results):
 def test_impossible_layouts_are_refused_with_the_numbers(refusals, case, message):
     import re
     assert refusals[case] is not None and re.search(message, refusals[case]), refusals[case]
+
+
+def test_block_inputs_are_saved_as_the_sequence_slice(results):
+    """Megatron's TP+SP activation bytes: q/k/v and gate/up keep the slice, not the gathered input."""
+    r = results(2)["regather"][0]
+    assert r["rows"] and max(r["rows"]) * 2 <= r["tokens"] + r["batch"], r  # [b, s/t, h], s padded to even

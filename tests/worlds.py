@@ -7,7 +7,8 @@ fixture (conftest.py) and asserted by the test modules named here:
 | group             | ranks   | bodies (tests/runs/)                                         | asserted in                          |
 |-------------------|---------|--------------------------------------------------------------|--------------------------------------|
 | `misc`            | 2       | robustness (bad and odd inputs), randomness                  | test_robustness_gloo, test_randomness_gloo |
-| `parity`          | 2, 4    | parity cases; at 4 also the ring kernel numerics             | test_parity_gloo, test_ring_gloo     |
+| `parity`          | 2, 4    | parity cases, the fused Ulysses exchange; at 4 also the ring | test_parity_gloo, test_ulysses_gloo, |
+|                   |         | kernel numerics                                              | test_ring_gloo                       |
 | `packing`         | 2, 4    | packed-row cases                                             | test_packing_gloo                    |
 | `tensor_parallel` | 2, 4    | TP (+ SP, DP) cases; at 2 also the TP refusals               | test_tp_gloo                         |
 | `trainer`         | 2, 4    | Trainer runs; at 2 resume and TP generation; at 4 data /     | test_trainer_gloo, test_fsdp_gloo    |
@@ -31,7 +32,8 @@ def misc() -> dict:
 
 def parity() -> dict:
     from .runs import parity as cases
-    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()])}
+    from .runs import ulysses
+    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()]), "ulysses": ulysses.all_checks()}
     if dist.get_world_size() == 4:
         from .runs import ring
         out["ring"] = ring.all_checks()
@@ -48,6 +50,7 @@ def tensor_parallel() -> dict:
     out = {"cases": tp.run_cases(tp.CASES[dist.get_world_size()])}
     if dist.get_world_size() == 2:  # the refusals need a tp=2 layout
         out["refusals"] = tp.refusals()
+        out["regather"] = tp.regather_check()
     return out
 
 

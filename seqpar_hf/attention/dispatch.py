@@ -13,7 +13,8 @@ from ..parallel.layout import ParallelLayout
 from . import kernels
 from .pattern import MISSING, Pattern
 from .ring import RingPlan, ring_attention
-from .ulysses import ulysses_attention
+from .heads import max_chunks
+from .ulysses import auto_chunks, ulysses_attention
 
 
 def ring_plan(layout: ParallelLayout, pattern: Pattern, device) -> RingPlan:
@@ -43,4 +44,17 @@ def attend(layout: ParallelLayout, pattern: Pattern, q: torch.Tensor, k: torch.T
     if layout.ulysses_size == 1:
         rep = q.shape[1] // k.shape[1]
         return inner(q, k, v, None if rep == 1 else tuple(i // rep for i in range(q.shape[1])))
-    return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner)
+    return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner,
+                             head_chunks(layout, q, k, dropout))
+
+
+def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, dropout: float) -> int:
+    """How many parts the Ulysses exchange goes in (the same on every rank: it depends on shapes only).
+    Attention dropout keeps one, so that its random stream is the unchunked kernel's."""
+    setting = layout.head_chunks
+    if dropout > 0:
+        return 1
+    n = layout.ulysses_size
+    if setting == "auto":
+        return auto_chunks(q, k, n)
+    return min(setting, max_chunks(q.shape[1], n))

@@ -5,7 +5,9 @@ Each rank keeps its queries and passes its K/V block around the ring with batch_
 transfer of the next block overlaps the attention on the current one. Partial results merge with a
 log-sum-exp update in fp32. The backward is a second ring: K/V travel again, together with fp32
 dK/dV accumulators that arrive home after the last step; block gradients are recomputed from the
-final output and log-sum-exp. K/V travel with their own (grouped-query) head count.
+final output and log-sum-exp. K/V travel with their own (grouped-query) head count. Every transfer
+is started before the kernel of the step and waited for after it, forward and backward (the
+accumulator of a step included), and no step reads a tensor's value on the host.
 
 What each step computes (which rows and columns, with which mask, or nothing at all) is a
 `RingPlan`, built once per forward and attention pattern and reused by every layer and by the
@@ -14,7 +16,7 @@ backward (also when gradient checkpointing recomputes a layer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,16 @@ class RingPlan:
     ranks: tuple[int, ...]  # global ranks in ring order
     index: int  # this rank's position in the ring
     blocks: list[Block | None]
+    _kv_index: dict = field(default_factory=dict, repr=False)  # kv_for_q -> index tensor, made once
+
+    def kv_index(self, kv_for_q: tuple[int, ...] | None, device) -> torch.Tensor | None:
+        """The [h] kv head of each query head as a tensor (None: one to one), copied to the device once
+        per forward rather than once per layer."""
+        if kv_for_q is None:
+            return None
+        if kv_for_q not in self._kv_index:
+            self._kv_index[kv_for_q] = torch.tensor(kv_for_q, device=device)
+        return self._kv_index[kv_for_q]
 
     @classmethod
     def build(cls, spec: MaskSpec, group, ranks, index: int, q_index: torch.Tensor,
@@ -167,8 +179,6 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             pending_kv = ring.start(kv) if step + 1 < n else None
             block = plan.blocks[(plan.index - step) % n]
-            acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device) if carried is None \
-                else _Ring.wait(carried)
             if block is not None:
                 rows, cols = block.rows, block.cols
                 kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
@@ -176,6 +186,11 @@ class RingAttention(torch.autograd.Function):
                                                   vb.contiguous(), out[:, :, rows].contiguous(),
                                                   lse[:, :, rows].contiguous(), block.bias(q.dtype), block.causal, scale)
                 dq[:, :, rows] += dq_b.float()
+            # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
+            # that transfer in flight while the kernel runs (the same additions, in the same order)
+            acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device) if carried is None \
+                else _Ring.wait(carried)
+            if block is not None:
                 acc[0][:, :, cols] += _reduce(dk_b.float(), kv_index, heads_kv)
                 acc[1][:, :, cols] += _reduce(dv_b.float(), kv_index, heads_kv)
             carried = ring.start(acc)  # to the next rank, who holds this block at the next step
@@ -188,5 +203,5 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
                    kv_for_q: tuple[int, ...] | None = None) -> torch.Tensor:
     """q [b, h, s_q, d], k/v [b, h_kv, s_k, d] (this rank's blocks) -> [b, h, s_q, d]."""
-    kv_index = None if kv_for_q is None else torch.tensor(kv_for_q, device=q.device)
+    kv_index = plan.kv_index(kv_for_q, q.device)
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kv_index)

@@ -1,73 +1,112 @@
-"""DeepSpeed-Ulysses attention (Jacobs et al. 2023, arXiv 2309.14509).
+"""DeepSpeed-Ulysses attention (Jacobs et al. 2023, arXiv 2309.14509), with q, k and v in one exchange
+and the exchanges overlapped with the kernel over chunks of heads (as HCMS does for inference, arXiv
+2607.01817; here in the backward too).
 
-Around the attention kernel, one all-to-all turns q/k/v from [all heads, 1/n of the sequence] into
-[1/n of the heads, the full sequence], and one turns the output back: 4 all-to-alls per layer
-forward and 4 backward. Head counts need not divide n (ranks get h//n or h//n+1 heads, as in
-DeepSpeed's DistributedAttention), and grouped-query models with fewer kv heads than ranks get the
-kv heads their query heads need (replicated across ranks only when they must be).
+Around the attention kernel, an all-to-all turns q/k/v from [all heads, 1/n of the sequence] into
+[1/n of the heads, the full sequence], and one turns the output back. Head counts need not divide n
+(ranks get h//n or h//n+1 heads, as in DeepSpeed's DistributedAttention), and grouped-query models
+with fewer kv heads than ranks get the kv heads their query heads need (`heads.split_heads`).
+
+`ulysses_attention` packs q, k and v by destination rank into one all-to-all (2 per layer forward,
+2 backward, where exchanging them one by one takes 4 and 4; the same bytes). With `chunks` > 1 each
+rank's heads go in that many parts: the exchange of part c+1 and the output exchange of part c-1
+run while the kernel computes part c, forward and backward (`attention/pipeline.py`).
+`ulysses_attention_separate` is the one-by-one exchange, kept as the reference the benchmarks race.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 import torch
 
 from ..parallel.comm import group_size, heads_to_seq, seq_to_heads
+from .heads import HeadSplit, chunk_plan, max_chunks, split_heads
+from .pipeline import Exchange, Land, OutLand, OutSend, Pack, Send
+
+__all__ = ["HeadSplit", "split_heads", "ulysses_attention", "ulysses_attention_separate", "auto_chunks"]
+
+# Smallest all-to-all (bytes one rank sends, per chunk) worth an extra exchange, per device type; none
+# listed: one chunk. CPU (gloo) has none: gloo's asynchronous exchange does run on its own threads (the
+# call returns in ~1% of the exchange's time), but those copy memory on the cores the kernel uses
+# (benchmarks/overlap.py on 2 cores: (a) at most ~0.3-0.7 of an exchange hidden, often less than none;
+# (b) 2 or 4 chunks no consistent gain over one, 3-11% slower at 1K tokens). CUDA: an NCCL exchange
+# runs on the links while the SMs compute; 8 MiB per chunk keeps each chunk's all-to-all well above its
+# launch latency (untested: overlap needs >= 2 GPUs; benchmarks/gpu_chunks.py measures the kernel side).
+MIN_CHUNK_BYTES = {"cuda": 8 << 20}
+MAX_AUTO_CHUNKS = 4
 
 
-@dataclass(frozen=True)
-class HeadSplit:
-    """How q and kv heads are spread over the n ranks of a Ulysses group."""
-
-    q_sizes: tuple[int, ...]  # query heads per rank
-    kv_sizes: tuple[int, ...]  # kv heads each rank receives
-    kv_send: tuple[int, ...] | None  # kv heads to send, grouped by destination; None: arange (no copy)
-    kv_for_q: tuple[tuple[int, ...] | None, ...]  # per rank: kv head (local index) of each local q head
-
-
-@lru_cache(maxsize=64)
-def split_heads(num_heads: int, num_kv_heads: int, n: int) -> HeadSplit:
-    if num_heads < n:
-        raise ValueError(f"Ulysses over {n} ranks needs at least {n} attention heads, the model has {num_heads}; "
-                         f"use mode='hybrid' with ring_size so that sp_size // ring_size <= {num_heads}, or mode='ring'")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    rep = num_heads // num_kv_heads
-    q_sizes = tuple(num_heads // n + (r < num_heads % n) for r in range(n))
-    starts = [sum(q_sizes[:r]) for r in range(n)]
-    kv_ranges, kv_for_q = [], []
-    for r in range(n):
-        first, last = starts[r] // rep, (starts[r] + q_sizes[r] - 1) // rep  # kv heads this rank's q heads use
-        kv_ranges.append(range(first, last + 1))
-        local = tuple((starts[r] + i) // rep - first for i in range(q_sizes[r]))
-        kv_for_q.append(None if len(local) == last + 1 - first else local)
-    send = tuple(h for rng in kv_ranges for h in rng)
-    return HeadSplit(q_sizes, tuple(len(x) for x in kv_ranges),
-                     None if send == tuple(range(num_kv_heads)) else send, tuple(kv_for_q))
+def auto_chunks(q: torch.Tensor, k: torch.Tensor, n: int) -> int:
+    """Chunks for this exchange by its size: 1 unless every chunk still sends MIN_CHUNK_BYTES."""
+    floor = MIN_CHUNK_BYTES.get(q.device.type)
+    if floor is None:
+        return 1
+    sent = (q.numel() + 2 * k.numel()) * q.element_size() * (n - 1) // n  # what leaves this rank
+    return max(1, min(MAX_AUTO_CHUNKS, max_chunks(q.shape[1], n), sent // floor))
 
 
-def _index(values: tuple[int, ...] | None, device) -> torch.Tensor | None:
-    return None if values is None else torch.tensor(values, device=device)
+def _kv_for_chunk(parts: list[torch.Tensor], plan, rank: int, c: int) -> torch.Tensor:
+    """k (or v) heads chunk c's kernel uses, from the chunks that carried them: [b, use, s, d]."""
+    use = plan.pieces[c][rank].kv_use
+    pieces = []
+    for i in range(c + 1):
+        new = plan.pieces[i][rank].kv_new
+        lo, hi = max(use[0], new[0]), min(use[1], new[1])
+        if lo < hi:
+            pieces.append(parts[i][:, lo - new[0]:hi - new[0]])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
-                      inner: Callable[..., torch.Tensor]) -> torch.Tensor:
+                      inner: Callable[..., torch.Tensor], chunks: int = 1) -> torch.Tensor:
     """query [b, h, s_q/n, d], key/value [b, h_kv, s_k/n, d] -> [b, h, s_q/n, d].
 
-    `inner(q, k, v, kv_for_q)` computes attention over the full sequence for this rank's heads
-    (the local kernel, or a ring across Ulysses groups in hybrid mode); `kv_for_q` is a tuple giving
-    each local query head's local kv head, or None for one to one.
+    `inner(q, k, v, kv_for_q)` computes attention over the full sequence for some of this rank's
+    heads (the local kernel, or a ring across Ulysses groups in hybrid mode); `kv_for_q` is a tuple
+    giving each query head's kv head, or None for one to one. It is called once per chunk.
     """
-    split = split_heads(query.shape[1], key.shape[1], group_size(group))
-    q = seq_to_heads(query, list(split.q_sizes), group)  # [b, h, s_q/n, d] -> [b, h_r, s_q, d]
-    send = _index(split.kv_send, key.device)
-    if send is not None:  # GQA: pick (and replicate) the kv heads each rank needs
-        key, value = key.index_select(1, send), value.index_select(1, send)  # [b, sum(kv_sizes), s_k/n, d]
-    k = seq_to_heads(key, list(split.kv_sizes), group)  # -> [b, kv_r, s_k, d]
-    v = seq_to_heads(value, list(split.kv_sizes), group)
-    out = inner(q, k, v, split.kv_for_q[rank])  # [b, h_r, s_q, d]
-    return heads_to_seq(out, list(split.q_sizes), group)  # -> [b, h, s_q/n, d]
+    n = group_size(group)
+    if n == 1:
+        rep = query.shape[1] // key.shape[1]
+        return inner(query, key, value, None if rep == 1 else tuple(i // rep for i in range(query.shape[1])))
+    plan = chunk_plan(query.shape[1], key.shape[1], n, chunks)
+    b, _, s_q, d = query.shape
+    per_q, per_kv = b * s_q * d, b * key.shape[2] * d  # elements of one head's rows
+    sends = Pack.apply(query, key, value, plan)  # per chunk: flat, grouped by destination
+    tokens_in = [Exchange() for _ in range(plan.chunks)]
+    tokens_out = [Exchange() for _ in range(plan.chunks)]
 
+    def rows(c):  # (elements to each rank, elements from each rank) of chunk c
+        mine = plan.pieces[c][rank]
+        return ([p.heads * per_q + 2 * p.kv_heads * per_kv for p in plan.pieces[c]],
+                [mine.heads * per_q + 2 * mine.kv_heads * per_kv] * n)
+
+    pending = Send.apply(sends[0], *rows(0), group, tokens_in[0])
+    ks, vs, outs = [], [], []
+    for c in range(plan.chunks):
+        mine = plan.pieces[c][rank]
+        dims = (n, mine.heads, mine.kv_heads, b, s_q, key.shape[2], d)
+        q, k, v = Land.apply(pending, tokens_in[c], dims, *rows(c), group)  # [b, m, s_q, d], [b, m_kv, s_k, d]
+        if c + 1 < plan.chunks:  # in flight while this chunk's kernel runs
+            pending = Send.apply(sends[c + 1], *rows(c + 1), group, tokens_in[c + 1])
+        ks.append(k)
+        vs.append(v)
+        out = inner(q, _kv_for_chunk(ks, plan, rank, c), _kv_for_chunk(vs, plan, rank, c), mine.kv_for_q)
+        outs.append(OutSend.apply(out, n, [mine.heads] * n, [p.heads for p in plan.pieces[c]], group, tokens_out[c]))
+    return OutLand.apply(plan, rank, group, tokens_out, *outs)  # [b, h, s_q/n, d]
+
+
+def ulysses_attention_separate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
+                               inner: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """The same result with q, k, v and the output exchanged one by one (4 all-to-alls forward, 4
+    backward): the path before the fused one, kept for the benchmarks."""
+    split = split_heads(query.shape[1], key.shape[1], group_size(group))
+    q = seq_to_heads(query, list(split.q_sizes), group)  # [b, h, s_q, d] -> [b, h_r, n s_q, d]
+    if split.kv_send is not None:  # GQA: pick (and replicate) the kv heads each rank needs
+        send = torch.tensor(split.kv_send, device=key.device)
+        key, value = key.index_select(1, send), value.index_select(1, send)  # [b, sum(kv_sizes), s_k, d]
+    k = seq_to_heads(key, list(split.kv_sizes), group)  # -> [b, kv_r, n s_k, d]
+    v = seq_to_heads(value, list(split.kv_sizes), group)
+    out = inner(q, k, v, split.kv_for_q[rank])  # [b, h_r, n s_q, d]
+    return heads_to_seq(out, list(split.q_sizes), group)  # -> [b, h, s_q, d]

@@ -18,6 +18,7 @@ import torch
 from .. import _compat
 from ..attention.ulysses import split_heads
 from ..parallel.comm import all_gather_cat
+from ..parallel import auto
 from ..parallel.layout import ParallelLayout
 from . import positions, tensor_parallel
 from .families import ModelFamily, inspect_model
@@ -54,6 +55,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
         raise ValueError(f"this model is already patched with {state.layout}; call seqpar_hf.unpatch_model(model) "
                          f"before patching it with {layout}")
     family = inspect_model(model)
+    auto.resolve(layout, [(site.heads, site.kv_heads) for site in family.attention])  # mode="auto": choose now
     tp = layout.sizes.tp_size
     if tiled_loss not in (True, False, "auto"):
         raise ValueError(f"tiled_loss={tiled_loss!r}: use True, False or 'auto'")

@@ -7,7 +7,8 @@ Inside a TP group of t ranks (the "tp" dim of the layout's mesh):
 - the regions TP leaves replicated (layer norms, dropout, residual adds) are sharded along the
   sequence: the residual stream of a rank is [b, s/(sp t), h]. Before an attention or MLP block the
   sequence is all-gathered over the TP group, after it the row-parallel projection reduce-scatters
-  it back (`RowwiseParallel(output_layouts=Shard(1))`), which replaces TP's all-reduce;
+  it back (`RowwiseParallel(output_layouts=Shard(1))`), which replaces TP's all-reduce. The gathered
+  input is saved for the backward as the slice and gathered again there (`regather`);
 - attention then runs on the rank's heads over its SP shard, so Ulysses / ring split the local
   heads (heads/t) over the SP group: TP inside, SP outside.
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from . import regather
 from .families import ModelFamily
 
 # transformers' plan strings this module implements (others are refused, naming the entry)
@@ -43,22 +45,49 @@ def _refuse(why: str, fix: str):
 class _GatherSequence:
     """Forward pre-hook of an attention (or MLP) block: the named inputs, this rank's sequence slice
     [b, s/t, h], become the block's whole sequence as a replicated DTensor (one all-gather over the
-    TP group; its backward reduce-scatters). Handles positional and keyword inputs."""
+    TP group; its backward reduce-scatters). Handles positional and keyword inputs. While the block
+    runs, what it saves of the gathered inputs is kept as the slice and gathered again in the
+    backward (`regather.BlockScope`, left by `_LeaveBlock`)."""
 
     def __init__(self, mesh, positions: tuple[int, ...] = (0,), names: tuple[str, ...] = ("hidden_states",)):
         self.mesh, self.positions, self.names = mesh, positions, names
+        self.scopes: list[regather.BlockScope | None] = []
 
-    def _gather(self, x):
+    def _gather(self, x, scope):
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
-        return DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
+        full = regather.gather(x, self.mesh)
+        if scope is not None:
+            scope.add(x, full)
+        return full
 
     def __call__(self, module, args, kwargs):
-        args = tuple(self._gather(a) if i in self.positions else a for i, a in enumerate(args))
+        scope = regather.BlockScope() if torch.is_grad_enabled() else None
+        args = tuple(self._gather(a, scope) if i in self.positions else a for i, a in enumerate(args))
         for name in self.names:
             if name in kwargs:
-                kwargs[name] = self._gather(kwargs[name])
+                kwargs[name] = self._gather(kwargs[name], scope)
+        self.scopes.append(scope.__enter__() if scope is not None and scope.sources else None)
         return args, kwargs
+
+
+class _LeaveBlock:
+    """Forward hook (also when the forward raises) ending the block's `regather.BlockScope`."""
+
+    def __init__(self, gather: _GatherSequence):
+        self.gather = gather
+
+    def __call__(self, module, args, kwargs, output):
+        scope = self.gather.scopes.pop() if self.gather.scopes else None
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+
+def _gather_block(module, mesh, names: tuple[str, ...]) -> None:
+    hook = _GatherSequence(mesh, (0,), names)
+    # prepend: before a parallel style's own input hook on the same module (fc1 is a ColwiseParallel linear)
+    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    module.register_forward_hook(_LeaveBlock(hook), with_kwargs=True, always_call=True)
 
 
 class _SliceSequence:
@@ -183,9 +212,10 @@ def parallelize(family: ModelFamily, layout) -> None:
                         parallelize_module(getattr(child, out), mesh, RowwiseParallel(output_layouts=Shard(1)),
                                            src_data_rank=None)
                         names = ("hidden_states", "key_value_states") if name == "encoder_attn" else ("hidden_states",)
-                        child.register_forward_pre_hook(_GatherSequence(mesh, (0,), names), with_kwargs=True)
+                        _gather_block(child, mesh, names)
                     elif name == "fc1":
-                        parallelize_module(child, mesh, ColwiseParallel(input_layouts=Shard(1)), src_data_rank=None)
+                        parallelize_module(child, mesh, ColwiseParallel(), src_data_rank=None)
+                        _gather_block(child, mesh, ("input",))
                     elif name == "fc2":
                         parallelize_module(child, mesh, RowwiseParallel(output_layouts=Shard(1)), src_data_rank=None)
             stack.layers[0].register_forward_pre_hook(_SliceSequence(mesh), with_kwargs=True)
@@ -204,10 +234,10 @@ def parallelize(family: ModelFamily, layout) -> None:
             for layer in stack.layers:
                 mlp = getattr(layer, "mlp", None)
                 if mlp is not None:
-                    mlp.register_forward_pre_hook(_GatherSequence(mesh, (0,), ("hidden_states", "x")), with_kwargs=True)
+                    _gather_block(mlp, mesh, ("hidden_states", "x"))
                 attn = getattr(layer, "self_attn", None)
                 if attn is not None:
-                    attn.register_forward_pre_hook(_GatherSequence(mesh, (0,), ("hidden_states",)), with_kwargs=True)
+                    _gather_block(attn, mesh, ("hidden_states",))
 
 
 def gather_tp(x: torch.Tensor, mesh) -> torch.Tensor:

@@ -25,6 +25,16 @@ def _all_to_all_rows(send: torch.Tensor, send_rows: list[int], recv_rows: list[i
     return recv
 
 
+def start_all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], group):
+    """Start all_to_all_single on dim 0 and return (recv, work) at once: `recv` is filled only after
+    `work.wait()`. On NCCL the wait only orders the current stream after the exchange; on gloo the
+    exchange runs on gloo's own threads while this one computes (benchmarks/overlap.py measures it)."""
+    recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=group,
+                                  async_op=True)
+    return recv, work
+
+
 def _seq_to_heads(x: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
     """[b, h, s_loc, d] (head j..: sizes head_sizes) -> [b, h_r, s_loc * n, d], contiguous."""
     n, r = len(head_sizes), dist.get_rank(group)

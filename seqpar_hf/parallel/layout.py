@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import _compat
 
-MODES = ("ulysses", "ring", "hybrid")
+MODES = ("ulysses", "ring", "hybrid", "auto")  # auto: chosen at patch_model (parallel/auto.py)
 MESH_DIMS = ("dp", "ring", "ulysses", "tp")
 
 
@@ -35,8 +35,8 @@ class LayoutSizes:
     world_size: int
     sp_size: int
     mode: str
-    ring_size: int
-    ulysses_size: int
+    ring_size: int | None  # None: mode "auto", not chosen yet
+    ulysses_size: int | None
     dp_size: int
     tp_size: int = 1
 
@@ -60,6 +60,11 @@ def validate_sizes(world_size: int, sp_size: int, mode: str = "ulysses", ring_si
             f"world size {world_size} is not divisible by {what}; launch a multiple of {replica} processes or "
             f"pick sizes whose product divides {world_size}"
         )
+    if mode == "auto":
+        if ring_size is not None:
+            raise ValueError(f"mode='auto' chooses the ring size itself (got ring_size={ring_size}); use mode='hybrid' "
+                             "to set it")
+        return LayoutSizes(world_size, sp_size, mode, None, None, world_size // replica, tp_size)
     if mode == "ulysses":
         if ring_size not in (None, 1):
             raise ValueError(f"mode='ulysses' takes no ring_size (got {ring_size}); use mode='hybrid' for ulysses x ring")
@@ -94,16 +99,45 @@ class ParallelLayout:
     unpatched. `mode="hybrid"` runs Ulysses inside groups of `sp_size // ring_size` ranks and a ring
     across them. Every rank must build the layout (creating groups is collective), in the same order.
     A layout is shared, never copied: `copy.deepcopy` returns the same object (a deep-copied model
-    keeps its process groups).
+    keeps its process groups). `mode="auto"` builds no groups until `patch_model` chooses from the
+    model's heads (`seqpar_hf.parallel.auto`). `head_chunks`: parts of a Ulysses exchange overlapped
+    with the kernel ("auto": by the exchange's size; an int: at most that many).
     """
 
     sp_size: int = 1
     mode: str = "ulysses"
     ring_size: int | None = None
     tp_size: int = 1
+    head_chunks: int | str = "auto"
     sizes: LayoutSizes = field(init=False, repr=False)
 
     def __post_init__(self):
+        if self.head_chunks != "auto" and (not isinstance(self.head_chunks, int) or isinstance(self.head_chunks, bool)
+                                           or self.head_chunks < 1):
+            raise ValueError(f"head_chunks must be 'auto' or a positive integer, got {self.head_chunks!r}")
+        if self.mode == "auto":
+            running = dist.is_available() and dist.is_initialized()
+            self.sizes = validate_sizes(dist.get_world_size() if running else 1, self.sp_size, self.mode,
+                                        self.ring_size, self.tp_size)
+            if self.sp_size > 1:  # dp / world sizes are known; groups are built by `_resolve` at patch_model
+                self.rank = dist.get_rank() if running else 0
+                return
+            self.mode = "ulysses"
+        self._build()
+
+    def _resolve(self, mode: str, ring_size: int | None) -> None:
+        """Fix the mode "auto" chose and build the groups (collective: every rank, same values)."""
+        self.mode, self.ring_size = mode, ring_size
+        self._build()
+
+    def __getattr__(self, name):  # only reached for attributes not set: an auto layout not resolved yet
+        if name.startswith("__") or self.__dict__.get("mode") != "auto":
+            raise AttributeError(name)
+        # an AttributeError, so that hasattr / getattr with a default still work
+        raise AttributeError(f"ParallelLayout(mode='auto').{name}: not known before seqpar_hf.patch_model(model, "
+                           "layout) chooses the layout from the model's heads; patch the model first")
+
+    def _build(self):
         if not (dist.is_available() and dist.is_initialized()):
             if self.sp_size == 1 and self.tp_size == 1:  # a no-op layout needs no process group
                 self.sizes = validate_sizes(1, 1, self.mode, self.ring_size)
@@ -190,6 +224,8 @@ class ParallelLayout:
         return self.sizes.sp_size > 1
 
     def __repr__(self) -> str:
+        if self.mode == "auto":
+            return f"ParallelLayout(mode='auto', sp_size={self.sp_size}, tp_size={self.tp_size}, not resolved yet)"
         s = self.sizes
         tp = f", tp_size={s.tp_size}" if s.tp_size > 1 else ""
         return (f"ParallelLayout(mode={s.mode!r}, sp_size={s.sp_size}, ring_size={s.ring_size}, "

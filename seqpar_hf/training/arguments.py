@@ -25,7 +25,9 @@ class SequenceParallelFields:
                                                       "runs over the rest. 1 disables SP."})
     sp_mode: str = field(default="ulysses", metadata={
         "help": "ulysses: all-to-all of heads (needs sp_size <= attention heads); ring: K/V blocks passed around "
-                "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them.",
+                "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them; "
+                "auto: chosen when the model is patched, from its heads and the ranks per node (logged with the "
+                "reason; seqpar_hf.parallel.auto).",
         "choices": list(MODES)})
     sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
     tp_size: int = field(default=1, metadata={"help": "Megatron-style tensor + sequence parallelism over this many "

@@ -56,9 +56,9 @@ def seq2seq_packed_batch(seed: int, max_tokens: int = 12, lengths=PAIR_LENGTHS) 
 
 
 def run_case(case: dict) -> dict:
-    """`case`: name, family, sp, mode, ring_size, model, flash_kwargs, rows."""
+    """`case`: name, family, sp, mode, ring_size, head_chunks, model, flash_kwargs, rows."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"))
+                                      ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = build_model(family, **case.get("model", {}))
     reference = copy.deepcopy(model)
@@ -121,6 +121,8 @@ def _cases_sp4() -> list[dict]:
 
 
 CASES = {1: _cases(1, [("ulysses", None)]),
-         2: _cases(2, [("ulysses", None), ("ring", None)]),
+         2: _cases(2, [("ulysses", None), ("ring", None)])
+         + [dict(sp=2, name="sp2-ulysses-head-chunks-2-llama-many-documents", family="llama", many=True, head_chunks=2),
+            dict(sp=2, name="sp2-ulysses-head-chunks-2-marian", family="marian", head_chunks=2)],
          4: _cases_sp4()}
 

@@ -35,9 +35,10 @@ def _grad_errors(patched, reference) -> tuple[float, str]:
 
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
-    overrides), checkpointing, eval (compare gathered logits without labels instead of loss + gradients)."""
+    overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels
+    instead of loss + gradients)."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"))
+                                      ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
     reference = copy.deepcopy(model)
@@ -55,7 +56,7 @@ def run_case(case: dict) -> dict:
         with torch.no_grad():
             for p in original.parameters():
                 p.add_(1.0)  # the copy must not share weights with the original
-    result = {"name": case["name"], "rank": layout.rank}
+    result = {"name": case["name"], "rank": layout.rank, "mode": layout.mode, "ring_size": layout.ring_size}
 
     if case.get("eval"):
         model.eval(), reference.eval()
@@ -223,5 +224,24 @@ def _cases_world4():
     return cases
 
 
-CASES = {2: _cases_world2(), 4: _cases_world4()}
+def _chunked_cases(world: int) -> list[dict]:
+    """The fused exchange in head chunks (one chunk is every Ulysses case above), and mode="auto"
+    (`expect`: the mode and ring size it must choose)."""
+    if world == 2:
+        return [dict(sp=2, name="ulysses-llama-mqa-chunks-2-checkpointing-two-forwards", family="llama",
+                     model=dict(heads=4, kv_heads=1), head_chunks=2, checkpointing=True, second_batch=dict(length=7)),
+                dict(sp=2, name="ulysses-marian-5-heads-chunks-2", family="marian", model=dict(heads=5, d_model=40),
+                     head_chunks=2),
+                dict(sp=2, mode="auto", name="auto-llama", family="llama", expect=("ulysses", 1))]
+    return [dict(sp=4, mode="hybrid", ring_size=2, name="hybrid-sp4-llama-chunks-2", family="llama",
+                 model=dict(heads=8, kv_heads=2), head_chunks=2),
+            dict(sp=4, name="ulysses-sp4-llama-10-heads-kv-lt-sp-chunks-2", family="llama",
+                 model=dict(heads=10, kv_heads=2), head_chunks=2),
+            dict(sp=4, mode="auto", name="auto-sp4-llama-6-heads", family="llama", model=dict(heads=6, kv_heads=2),
+                 expect=("hybrid", 2)),
+            dict(sp=4, mode="auto", name="auto-sp4-llama-5-heads", family="llama", model=dict(heads=5, kv_heads=1),
+                 expect=("ring", 4))]
+
+
+CASES = {2: _cases_world2() + _chunked_cases(2), 4: _cases_world4() + _chunked_cases(4)}
 

@@ -33,10 +33,14 @@ def full(t):
 
 def run_case(case: dict) -> dict:
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"), tp_size=case["tp"])
+                                      ring_size=case.get("ring_size"), tp_size=case["tp"],
+                                      head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = build_model(family, **case.get("model", {}))
     reference = copy.deepcopy(model)
+    if case.get("checkpointing"):  # the block inputs' re-gather under the checkpoint's own saved-tensor hooks
+        model.gradient_checkpointing_enable()
+        reference.gradient_checkpointing_enable()
     batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
     seqpar_hf.patch_model(model, layout)
     result = {"name": case["name"]}
@@ -85,6 +89,8 @@ def _cases_world2():
             dict(name="tp2-bart", family="bart", sp=1, tp=2),
             dict(name="tp2-qwen3", family="qwen3", sp=1, tp=2),
             dict(name="tp2-llama-eval", family="llama", sp=1, tp=2, eval=True),
+            dict(name="tp2-llama-checkpointing", family="llama", sp=1, tp=2, checkpointing=True),
+            dict(name="tp2-marian-checkpointing", family="marian", sp=1, tp=2, checkpointing=True),
             dict(name="tp2-marian-eval", family="marian", sp=1, tp=2, eval=True)]
 
 
@@ -95,6 +101,8 @@ def _cases_world4():
              dict(name="tp4-llama", family="llama", sp=1, tp=4, model=dict(kv_heads=4))]
     cases += [dict(name=f"tp2xsp2-ulysses-{f}", family=f, sp=2, tp=2) for f in ("llama", "marian", "m2m100")]
     cases += [dict(name=f"tp2xsp2-ring-{f}", family=f, sp=2, tp=2, mode="ring") for f in ("gemma", "bart")]
+    cases.append(dict(name="tp2xsp2-ulysses-llama-head-chunks-2", family="llama", sp=2, tp=2, head_chunks=2,
+                      model=dict(heads=8, kv_heads=4)))
     cases.append(dict(name="tp2xsp2-ulysses-marian-eval", family="marian", sp=2, tp=2, eval=True))
     return cases
 
@@ -121,3 +129,34 @@ def refusals() -> dict:
         out["world"] = str(exc)
     return out
 
+
+
+def regather_check() -> dict:
+    """What a TP layer saves for the backward: every [.., hidden] tensor saved inside a decoder layer is
+    this rank's sequence slice (the block inputs are gathered again in the backward), never the
+    gathered whole sequence."""
+    layout = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)
+    model = build_model("llama")
+    batch = make_batch("llama", seed=3, pad=False)
+    seqpar_hf.patch_model(model, layout)
+    hidden, inside, rows = model.config.hidden_size, [0], []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, inside[0] + 1))
+        layer.register_forward_hook(lambda *a: inside.__setitem__(0, inside[0] - 1))
+
+    weights = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if inside[0] and local.dim() and local.shape[-1] == hidden:
+            try:
+                weight = local.untyped_storage().data_ptr() in weights
+            except RuntimeError:  # a wrapper without storage (a pending collective's result): not a weight
+                weight = False
+            if not weight:
+                rows.append(local.numel() // hidden)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch).loss.backward()
+    return {"rows": sorted(set(rows)), "tokens": batch["input_ids"].numel(), "batch": batch["input_ids"].shape[0]}
