@@ -123,3 +123,15 @@ def test_init_process_group_sets_the_timeout_every_layout_group_gets(tmp_path, m
             seqpar_hf.ParallelLayout(sp_size=1, timeout=-1)
     finally:
         dist.destroy_process_group()
+
+
+
+def test_load_best_model_at_end_finds_the_published_checkpoint(trainer):
+    """The Trainer records the best checkpoint while it writes into the staging folder; the path it keeps
+    (and loads at the end of training) is the published one."""
+    trainer.state.best_global_step = 1
+    _save(trainer, 1)
+    trainer.state.best_global_step, trainer.state.best_metric = 1, 0.0
+    _save(trainer, 2)
+    assert trainer.state.best_model_checkpoint == os.path.join(trainer.args.output_dir, "checkpoint-1")
+    trainer._load_best_model()  # what train() does with load_best_model_at_end

@@ -55,13 +55,15 @@ class SafeCheckpointMixin:
         self._agree(errors[0] if errors else None, f"saving {final}", f" (nothing was written to {final})")
         error = attempt(self._publish, staging, final, run_dir) if self.args.should_save else None
         self._agree(error, f"renaming the complete checkpoint to {final}")
+        if self.state.best_model_checkpoint == os.path.join(staging, name):  # every rank's state, for the end
+            self.state.best_model_checkpoint = final
         if os.path.isdir(os.path.join(staging, name)):  # no shared file system: this node's part
             attempt(self._publish, staging, final, None)
 
     @staticmethod
     def _prepare(staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-        os.makedirs(staging)
+        os.makedirs(staging, exist_ok=True)  # exist_ok: save_on_each_node on a shared file system
 
     def _publish(self, staging: str, final: str, run_dir: str | None) -> None:
         """Move the complete checkpoint to its name; fix the best-checkpoint path the Trainer saw in staging."""
@@ -72,10 +74,12 @@ class SafeCheckpointMixin:
                 os.replace(os.path.join(written, entry), os.path.join(final, entry))
             shutil.rmtree(staging, ignore_errors=True)
             return
+        if not os.path.isdir(written) and os.path.isdir(final):
+            return  # save_on_each_node on a shared file system: another node's first rank published it
         if os.path.isdir(final):
             shutil.rmtree(final)  # the Trainer overwrites a checkpoint of the same step too
         os.replace(written, final)
-        os.rmdir(staging)
+        shutil.rmtree(staging, ignore_errors=True)
         if self.state.best_model_checkpoint == written:
             self.state.best_model_checkpoint = final
             if os.path.isfile(os.path.join(final, _compat.TRAINER_STATE_NAME)):
