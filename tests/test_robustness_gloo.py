@@ -40,6 +40,7 @@ EXPECTED = {
     "tiled-loss-differs": FINGERPRINT + r"tiled loss differs: rank 0: \(True, .*rank 1: \(False",
     "lm-loss-differs": FINGERPRINT + "labels given on ranks .0. only; lm_loss differs: rank 0: 1, rank 1: 0",
     "attention-set-on-one-rank": FINGERPRINT + "attention implementation differs: rank 0: seqpar_hf, rank 1: sdpa",
+    "tp-ranks-different-batches": FINGERPRINT + "input_ids values differ",
     "patched-with-another-layout": FINGERPRINT + r"layout differs: rank 0: layout #\d+ .*rank 1: layout #\d+",
     "attention-set-after-patch": ATTENTION_CHANGED.format("sdpa"),
     "attention-config-after-patch": ATTENTION_CHANGED.format("eager"),

@@ -115,6 +115,9 @@ def fingerprint_cases(results: dict, layout) -> None:
         model = seqpar_hf.patch_model(build_model("llama"), layout if rank == 0 else second)
         return lambda: model(**llama())
     results["patched-with-another-layout"] = _attempt(other_layout_object())
+    tp = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)  # a replica of 2 TP ranks (no SP group): checked too
+    tp_model = seqpar_hf.patch_model(build_model("llama"), tp)
+    results["tp-ranks-different-batches"] = _attempt(lambda: tp_model(**make_batch("llama", seed=rank)))
     results["logits-to-keep-with-labels"] = _attempt(run("llama", lambda: {**llama(), "logits_to_keep": 1}))
     results["output-attentions"] = _attempt(run("llama", lambda: {**llama(), "output_attentions": True}))
     results["mask-4d"] = _attempt(run("llama", lambda: {**llama(), "attention_mask": torch.ones(3, 1, 11, 11)}))
