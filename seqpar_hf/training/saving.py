@@ -50,9 +50,11 @@ class SafeCheckpointMixin:
             self._save_errors.append(exc)
         finally:
             self._staging, errors, self._save_errors = None, self._save_errors, None
-        if errors and self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)
-        self._agree(errors[0] if errors else None, f"saving {final}", f" (nothing was written to {final})")
+        try:
+            self._agree(errors[0] if errors else None, f"saving {final}", f" (nothing was written to {final})")
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)  # once every rank stopped writing into it
+            raise
         error = attempt(self._publish, staging, final, run_dir) if self.args.should_save else None
         self._agree(error, f"renaming the complete checkpoint to {final}")
         if self.state.best_model_checkpoint == os.path.join(staging, name):  # every rank's state, for the end
