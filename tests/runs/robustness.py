@@ -20,9 +20,6 @@ def _attempt(fn):
     """(message or None, seconds) of `fn`; the ranks start together, so a rank's seconds are its own wait."""
     dist.barrier()
     start = time.time()
-    import os, sys  # DEBUG
-    if os.environ.get("DBG"):
-        print(f"[{dist.get_rank()}] start {getattr(fn, '__name__', fn)}", file=sys.stderr, flush=True)
     try:
         fn()
         return None, time.time() - start
