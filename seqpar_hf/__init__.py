@@ -3,10 +3,11 @@
 from .models.patch import (gather_logits, gather_sequence, is_patched, model_kind, patch_model, sp_disabled,
                            unpatch_model)
 from .parallel.layout import ParallelLayout
+from .parallel.process_group import init_process_group
 from .training.callbacks import TimeBudgetCallback
 from .training.arguments import SequenceParallelArguments
 from .training.trainer import SequenceParallelTrainer
 
-__all__ = ["ParallelLayout", "patch_model", "unpatch_model", "is_patched", "sp_disabled", "model_kind",
-           "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer",
+__all__ = ["ParallelLayout", "init_process_group", "patch_model", "unpatch_model", "is_patched", "sp_disabled",
+           "model_kind", "gather_logits", "gather_sequence", "SequenceParallelArguments", "SequenceParallelTrainer",
            "TimeBudgetCallback"]

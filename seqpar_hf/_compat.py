@@ -31,6 +31,19 @@ def outer_saved_tensors_hooks():
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+def group_timeout(group):
+    """The timeout of a process group's collectives (None: unknown). torch has a public setter
+    (`ProcessGroup.set_timeout`) but no getter: read from the backend's options (`Options._timeout`)."""
+    import torch.distributed as dist
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 # Private aten attention ops used by the ring blocks (forward returning the log-sum-exp, and the
 # backward taking it). Checked once; without them the blocks use the math path, with one warning.
 _RING_OPS = {
@@ -109,11 +122,15 @@ def seq2seq_gen_kwargs(trainer) -> dict:
 
 
 # Trainer internals for checkpoints of DTensor models (tensor parallelism, FSDP2): the Trainer's own
-# paths assume DDP / accelerate's FSDP plugin. Overridden in SequenceParallelMixin; pinned by name and
-# signature in tests/test_compat.py.
+# paths assume DDP / accelerate's FSDP plugin; and for checkpoints written under a temporary name, whose
+# failed writes are reported on every rank, and whose missing weights are an error on resume
+# (training/saving.py: `_save_checkpoint` writes to `_get_output_dir(trial)` / `checkpoint-<step>`).
+# Overridden in SequenceParallelMixin; pinned by name and signature in tests/test_compat.py.
 TRAINER_CHECKPOINT_HOOKS = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint",
-                            "_save")
+                            "_save", "_save_checkpoint", "_get_output_dir", "_save_scaler", "_save_rng_state",
+                            "_issue_warnings_after_load")
 OPTIMIZER_NAME, SCHEDULER_NAME, SAFE_WEIGHTS_NAME = "optimizer.pt", "scheduler.pt", "model.safetensors"
+TRAINER_STATE_NAME = "trainer_state.json"
 
 
 def trainer_save(trainer, output_dir: str, state_dict: dict) -> None:

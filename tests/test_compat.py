@@ -30,6 +30,23 @@ def test_torch_outer_saved_tensors_hooks():
         assert _compat.outer_saved_tensors_hooks()[0] is pack
 
 
+def test_torch_process_group_timeout_getter_and_setter(tmp_path):
+    """ParallelLayout gives the mesh's groups the default group's timeout: read from the backend's options
+    (`_compat.group_timeout`), set with `ProcessGroup.set_timeout`."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    assert hasattr(dist.ProcessGroup, "set_timeout")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=42))
+    try:
+        assert _compat.group_timeout(None) == timedelta(seconds=42)
+        dist.group.WORLD.set_timeout(timedelta(seconds=7))
+        assert _compat.group_timeout(None) == timedelta(seconds=7)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_torch_private_attention_ops_exist():
     for device in ("cpu", "cuda"):
         for name in _compat._RING_OPS[device]:
@@ -69,7 +86,10 @@ def test_transformers_trainer_hooks_we_override_or_read():
     signatures = {"_save_optimizer_and_scheduler": ["self", "output_dir"],
                   "_load_optimizer_and_scheduler": ["self", "checkpoint"],
                   "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
-                  "_save": ["self", "output_dir", "state_dict"]}
+                  "_save": ["self", "output_dir", "state_dict"],
+                  "_save_checkpoint": ["self", "model", "trial"], "_get_output_dir": ["self", "trial"],
+                  "_save_scaler": ["self", "output_dir"], "_save_rng_state": ["self", "output_dir"],
+                  "_issue_warnings_after_load": ["self", "load_result"]}
     assert set(signatures) == set(_compat.TRAINER_CHECKPOINT_HOOKS)
     for name, params in signatures.items():
         assert list(inspect.signature(getattr(Trainer, name)).parameters) == params, name
@@ -77,8 +97,16 @@ def test_transformers_trainer_hooks_we_override_or_read():
     assert list(inspect.signature(Trainer._clip_grad_norm).parameters) == ["self", "model"]
     assert list(inspect.signature(Trainer._get_grad_norm).parameters) == ["self", "model", "grad_norm"]
     import transformers.trainer as trainer_module
-    for name in ("OPTIMIZER_NAME", "SCHEDULER_NAME", "SAFE_WEIGHTS_NAME"):
+    for name in ("OPTIMIZER_NAME", "SCHEDULER_NAME", "SAFE_WEIGHTS_NAME", "TRAINER_STATE_NAME"):
         assert getattr(trainer_module, name) == getattr(_compat, name), name
+    # training/saving.py points the Trainer's own _save_checkpoint at a temporary folder through
+    # _get_output_dir, and defers the failed writes of the hooks it calls
+    save = inspect.getsource(Trainer._save_checkpoint)
+    assert "run_dir = self._get_output_dir(trial=trial)" in save and "os.path.join(run_dir, checkpoint_folder)" in save
+    for call in ("self.save_model(output_dir, _internal_call=True)", "self._save_optimizer_and_scheduler(output_dir)",
+                 "self._save_scaler(output_dir)", "self._save_rng_state(output_dir)"):
+        assert call in save, call
+    assert "self._issue_warnings_after_load(load_result)" in inspect.getsource(Trainer._load_from_checkpoint)
 
 
 @pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True), (True, True)])

@@ -169,6 +169,13 @@ def inspect_model(model: nn.Module) -> ModelFamily:
         attention.append(AttentionModule(path, module, q_side, kv_side, *_head_counts(module)))
     if not attention:
         raise ValueError(f"found no attention modules in {name}")
+    if kind == "causal":  # decided by the layers: BertConfig has no is_causal, BertSelfAttention says False
+        bidirectional = [a.name for a in attention if not a.module.is_causal]
+        if bidirectional:
+            raise ValueError(f"{name} is a bidirectional (encoder-only) model: its self-attention {bidirectional[0]} "
+                             f"(and {len(bidirectional) - 1} more) is not causal (is_causal=False), and its labels are "
+                             "not next-token labels (masked-LM labels would be shifted like a causal LM's); seqpar_hf "
+                             "shards causal LMs and encoder-decoder models")
     positions = _positions(backbone, kind, name, encoder)
     if kind == "causal" and "position_ids" not in inspect.signature(backbone.forward).parameters:
         _refuse(name, "its backbone takes no position_ids, so shards cannot be given their global positions",

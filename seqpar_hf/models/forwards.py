@@ -25,7 +25,7 @@ from ..parallel.comm import gather_sequence as gather_full
 from ..parallel.layout import ParallelLayout
 from . import labels as labels_
 from . import tensor_parallel
-from .checks import check_same_batch
+from .checks import check_forward
 from .context import CONTEXT_KWARG, ForwardContext
 from .head import TiledHead
 from .inputs import shard_causal, shard_plan, shard_seq2seq
@@ -81,10 +81,10 @@ class BackboneForward(_Wrapper):
                 return self.original(**kwargs)
         request = state.take_request()  # a language-model forward's, for this call only
         layout, family = state.layout, state.family
-        if layout.enabled:
+        if layout.replica_size > 1:
             _require_process_group(layout)
-            if state.check_inputs and not (request is not None and request.checked):
-                check_same_batch(kwargs, family.backbone.training, layout.sp_group, _device(kwargs, family.backbone))
+            if not (request is not None and request.checked):  # fingerprint, then the full batch's validation
+                check_forward(state, kwargs, family.backbone.training, _device(kwargs, family.backbone))
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions is not available under sequence parallelism")
         if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
@@ -148,16 +148,15 @@ class LMForward(_Wrapper):
         label_smoothing = kwargs.pop("label_smoothing", 0.0)
         if labels is None and shift_labels is None:
             return self.original(**kwargs)  # nothing to compute here: what the unpatched model returns
+        layout, family = state.layout, state.family
+        model = family.pretrained
+        if layout.replica_size > 1:  # before any error of this rank alone: fingerprint, then validation
+            _require_process_group(layout)
+            check_forward(state, kwargs, model.training, _device(kwargs, model), labels, shift_labels, num_items,
+                          label_smoothing, lm_loss=True)
         if kwargs.get("logits_to_keep", 0) not in (0, None):
             raise ValueError("logits_to_keep is not supported with labels under sequence parallelism")
         return_dict = kwargs.pop("return_dict", None)
-        layout, family = state.layout, state.family
-        model = family.pretrained
-        if layout.enabled:
-            _require_process_group(layout)
-            if state.check_inputs:
-                check_same_batch({**kwargs, "labels": labels, "shift_labels": shift_labels}, model.training,
-                                 layout.sp_group, _device(kwargs, model))
         targets = labels_.targets(family.kind, labels, shift_labels)  # on the full sequence
         if family.kind == "seq2seq" and kwargs.get("decoder_input_ids") is None \
                 and kwargs.get("decoder_inputs_embeds") is None:

@@ -11,21 +11,33 @@ Vocabulary used across the package:
   ranks at the same place in different replicas (gradients average over them).
 
 The ranks form a `DeviceMesh` of shape (dp, ring, ulysses, tp), TP innermost (the fastest links),
-with the flattened dims "sp" = (ring, ulysses) and "dp_sp" = (dp, ring, ulysses): the ranks that
-hold identical weights, over which FSDP shards. World = dp x sp x tp.
+with the flattened dims "sp" = (ring, ulysses), "replica" = (ring, ulysses, tp): the ranks that read one
+batch, and "dp_sp" = (dp, ring, ulysses): the ranks that hold identical weights, over which FSDP shards.
+World = dp x sp x tp.
+
+Every rank must build the same layouts in the same order: building one is collective (the mesh creates
+process groups on every rank), and ranks that ask for different meshes would wait in different
+collectives forever. So before the mesh the ranks compare what they were asked for, in one small
+all-gather over the default group, and all raise the same error, naming the field and every rank's value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .. import _compat
+from .agree import agreement_device, same_on_every_rank
 
 MODES = ("ulysses", "ring", "hybrid", "auto")  # auto: chosen at patch_model (parallel/auto.py)
 MESH_DIMS = ("dp", "ring", "ulysses", "tp")
+# Layouts this process built per default process group (keyed by its id): a layout's `serial`, which the
+# forward's fingerprint compares, so that ranks whose models were patched with different layout objects of
+# the same sizes (their groups may be the same, e.g. the whole world) raise rather than mix them.
+_BUILT: dict[int, int] = {}
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,12 @@ def validate_sizes(world_size: int, sp_size: int, mode: str = "ulysses", ring_si
     return LayoutSizes(world_size, sp_size, mode, ring_size, sp_size // ring_size, world_size // replica, tp_size)
 
 
+def _device_type() -> str:
+    # nccl: CUDA; gloo: CPU; the single-process "fake" group of the benchmarks: wherever the GPU is
+    backend = dist.get_backend()
+    return "cuda" if "nccl" in backend or (backend == "fake" and torch.cuda.is_available()) else "cpu"
+
+
 @dataclass(eq=False)
 class ParallelLayout:
     """DP x SP (x TP) layout over the default process group, on a named `DeviceMesh`.
@@ -97,7 +115,10 @@ class ParallelLayout:
 
     `sp_size=1, tp_size=1` is valid without a process group: every model forward then runs as if
     unpatched. `mode="hybrid"` runs Ulysses inside groups of `sp_size // ring_size` ranks and a ring
-    across them. Every rank must build the layout (creating groups is collective), in the same order.
+    across them. Every rank must build the layout (creating groups is collective), in the same order;
+    ranks that ask for different layouts all raise a ValueError naming the field and every rank's value.
+    `timeout`: how long a collective of the layout's groups waits for the other ranks (None: the default
+    process group's timeout; torch would give the mesh's groups 30 minutes on gloo).
     A layout is shared, never copied: `copy.deepcopy` returns the same object (a deep-copied model
     keeps its process groups). `mode="auto"` builds no groups until `patch_model` chooses from the
     model's heads (`seqpar_hf.parallel.auto`). `head_chunks`: parts of a Ulysses exchange overlapped
@@ -109,6 +130,7 @@ class ParallelLayout:
     ring_size: int | None = None
     tp_size: int = 1
     head_chunks: int | str = "auto"
+    timeout: timedelta | None = None
     sizes: LayoutSizes = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -121,6 +143,9 @@ class ParallelLayout:
                                         self.ring_size, self.tp_size)
             if self.sp_size > 1:  # dp / world sizes are known; groups are built by `_resolve` at patch_model
                 self.rank = dist.get_rank() if running else 0
+                self.device_type = _device_type() if running else "cpu"
+                if running and dist.get_backend() != "fake":
+                    self._agree(self.ring_size)  # every rank asked for "auto" (resolved together later)
                 return
             self.mode = "ulysses"
         self._build()
@@ -142,32 +167,72 @@ class ParallelLayout:
             if self.sp_size == 1 and self.tp_size == 1:  # a no-op layout needs no process group
                 self.sizes = validate_sizes(1, 1, self.mode, self.ring_size)
                 self.ring_size = self.sizes.ring_size
-                self.rank, self.mesh, self.device_type = 0, None, "cpu"
+                self.rank, self.mesh, self.device_type, self.serial = 0, None, "cpu", 0
                 self.sp_group = self.dp_group = self.ulysses_group = self.ring_group = None
-                self.tp_group = self.dp_sp_group = None
-                self.sp_ranks = self.ulysses_ranks = self.ring_ranks = self.tp_ranks = (0,)
+                self.tp_group = self.dp_sp_group = self.replica_group = None
+                self.sp_ranks = self.ulysses_ranks = self.ring_ranks = self.tp_ranks = self.replica_ranks = (0,)
                 return
             raise RuntimeError(
                 f"ParallelLayout(sp_size={self.sp_size}, tp_size={self.tp_size}) needs a process group: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (accelerate launch / torchrun do)"
             )
-        s = self.sizes = validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size, self.tp_size)
+        self.rank, self.serial = dist.get_rank(), 0
+        backend, self.device_type = dist.get_backend(), _device_type()
+        try:
+            sizes, error = validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size,
+                                          self.tp_size), None
+        except (ValueError, TypeError) as exc:
+            sizes, error = None, exc
+        if backend != "fake":  # the benchmarks' one-process group: nothing to compare, no timeouts
+            # before raising: an error on some ranks only would leave the others waiting in the mesh
+            self._agree(sizes.ring_size if sizes is not None else self.ring_size)
+        if error is not None:
+            raise error
+        s = self.sizes = sizes
         self.ring_size = s.ring_size
-        self.rank = dist.get_rank()
-        backend = dist.get_backend()
-        # nccl: CUDA; gloo: CPU; the single-process "fake" group of the benchmarks: wherever the GPU is
-        self.device_type = "cuda" if "nccl" in backend or (backend == "fake" and torch.cuda.is_available()) else "cpu"
         # init_device_mesh is collective; so is flattening (both create process groups on every rank).
         self.mesh = _compat.init_mesh(self.device_type, (s.dp_size, s.ring_size, s.ulysses_size, s.tp_size),
                                       MESH_DIMS)
         _compat.flatten_mesh(self.mesh, ("ring", "ulysses"), "sp")
         _compat.flatten_mesh(self.mesh, ("dp", "ring", "ulysses"), "dp_sp")
+        if s.tp_size > 1:
+            _compat.flatten_mesh(self.mesh, ("ring", "ulysses", "tp"), "replica")
         self.sp_group, self.sp_ranks = self._group("sp")
         self.ulysses_group, self.ulysses_ranks = self._group("ulysses")
         self.ring_group, self.ring_ranks = self._group("ring")
         self.dp_group, _ = self._group("dp")
         self.tp_group, self.tp_ranks = self._group("tp")
         self.dp_sp_group, _ = self._group("dp_sp")
+        # the ranks that read one batch: the SP group, times TP when used (with tp_size 1, the SP group itself)
+        self.replica_group, self.replica_ranks = self._group("replica") if s.tp_size > 1 else (self.sp_group,
+                                                                                             self.sp_ranks)
+        if backend != "fake":
+            self._set_timeouts()
+
+    def _agree(self, ring_size) -> None:
+        """Every rank asks for the same layout (so ranks building layouts in different orders fail at the
+        first one that differs); else all raise. One all-gather of 6 x 48 bytes per rank."""
+        world = id(dist.group.WORLD)
+        self.serial = _BUILT.get(world, 0)
+        _BUILT[world] = self.serial + 1
+        asked = {"mode": self.mode, "sp_size": self.sp_size, "ring_size": ring_size, "tp_size": self.tp_size,
+                 "head_chunks": self.head_chunks, "timeout": self.timeout}
+        same_on_every_rank(asked, dist.group.WORLD, agreement_device(self.device_type),
+                           "the ParallelLayout they build", "Every rank must build the same ParallelLayout, in the same order (building one creates "
+                           "process groups on every rank): pass the same arguments on every rank.")
+        if self.timeout is not None and (not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout={self.timeout!r}: pass a positive datetime.timedelta (or None: the default "
+                             "process group's timeout)")
+
+    def _set_timeouts(self) -> None:
+        """The mesh's groups get torch's default timeout (30 min on gloo), not the default group's. A dim
+        that spans the whole world is the default group itself: it keeps its own timeout."""
+        timeout = self.timeout if self.timeout is not None else _compat.group_timeout(None)
+        groups = (self.sp_group, self.ulysses_group, self.ring_group, self.dp_group, self.tp_group, self.dp_sp_group,
+                  self.replica_group)
+        for group in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
+            if timeout is not None:
+                group.set_timeout(timeout)
 
     def _group(self, name: str):
         sub = self.mesh[name]

@@ -10,6 +10,7 @@ import torch
 from transformers import Seq2SeqTrainingArguments
 
 from ..parallel.layout import MODES, validate_sizes
+from ..parallel.process_group import DEFAULT_TIMEOUT
 
 
 def _has_accelerator() -> bool:
@@ -34,6 +35,14 @@ class SequenceParallelFields:
                                                       "consecutive ranks (heads and MLP columns split, norms sharded "
                                                       "along the sequence). 1 disables it."})
 
+    # transformers' default is 1800 s. A rank that stopped (raised, killed, other code) leaves the others waiting
+    # this long in their next collective, and ParallelLayout gives its groups the same timeout; seqpar_hf's checks
+    # make the usual disagreements errors before any collective, so what is left should fail in minutes.
+    # 10 minutes covers what one rank may do alone while the others wait (rank 0 writing a checkpoint or
+    # preparing data); raise it for very large checkpoints or slow file systems.
+    ddp_timeout: int = field(default=int(DEFAULT_TIMEOUT.total_seconds()), metadata={
+        "help": "Timeout (s) of the collectives of the process group and of the sequence-parallel layout's groups."})
+
     def _post_init_layout(self):
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
             # a multi-process launch on a machine without GPUs: run the processes on CPU (gloo) rather than
@@ -47,10 +56,6 @@ class SequenceParallelFields:
 @dataclass
 class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments):
     """`Seq2SeqTrainingArguments` plus the parallel layout (`--sp_size 2` on the command line)."""
-
-    # transformers' default is 1800 s. A rank that dies mid-collective leaves the others waiting this long
-    # (when no launcher kills them first): 10 minutes still covers a checkpoint save on rank 0.
-    ddp_timeout: int = field(default=600, metadata={"help": "Timeout (s) of the process group's collectives."})
 
     def __post_init__(self):
         self._post_init_layout()

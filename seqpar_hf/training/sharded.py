@@ -122,4 +122,5 @@ class ShardedModelMixin:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from safetensors.torch import load_file
         state_dict = load_file(os.path.join(resume_from_checkpoint, _compat.SAFE_WEIGHTS_NAME))
-        checkpoint.load_full_model_state_dict(self.accelerator.unwrap_model(model), state_dict)
+        checkpoint.load_full_model_state_dict(self.accelerator.unwrap_model(model), state_dict,
+                                              f"the checkpoint {resume_from_checkpoint}")

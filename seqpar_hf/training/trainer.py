@@ -11,6 +11,8 @@ global batch logs.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -26,10 +28,11 @@ from . import fsdp
 from .arguments import SequenceParallelArguments
 from .generation import generate_in_slices
 from .replica import ReplicaMixin
+from .saving import SafeCheckpointMixin, agree, attempt
 from .sharded import ShardedModelMixin
 
 
-class SequenceParallelMixin(ReplicaMixin, ShardedModelMixin):
+class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin):
     """Makes a replica of SP (x TP) ranks one data-parallel replica in any transformers `Trainer`.
 
     Put it before the Trainer class (`class MyTrainer(SequenceParallelMixin, Trainer)`) and call
@@ -43,7 +46,11 @@ class SequenceParallelMixin(ReplicaMixin, ShardedModelMixin):
             raise TypeError(f"{type(self).__name__} needs sequence-parallel training arguments "
                             "(SequenceParallelArguments, or the TRL configs in seqpar_hf.training.trl)")
         args.device  # sets up the process group when launched distributed (accelerate / torchrun)
+        # the Trainer creates output_dir on the saving rank only: an unwritable one is an error on every rank
+        agree(attempt(os.makedirs, args.output_dir, exist_ok=True) if args.should_save else None,
+              f"creating output_dir {args.output_dir!r}", args.device)
         self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size)
+        # the layout's groups wait as long as the default group (ddp_timeout), not torch's 30 minutes
         if model is not None and not isinstance(model, str) and not is_patched(model):
             patch_model(model, self.layout)
         self.fsdp_summary = None

@@ -1,18 +1,24 @@
 """In-rank bodies of tests/test_robustness_gloo.py: bad input fails fast with a clear error on every
-rank (never a hang, never a wrong number); odd but valid input matches the unpatched model."""
+rank (never a hang, never a wrong number); odd but valid input matches the unpatched model; what the
+per-forward check costs in collectives and bytes."""
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import seqpar_hf
 
-from ..helpers.models import build_model, make_batch
+from ..helpers.collectives import counting
+from ..helpers.models import VOCAB, build_model, make_batch
+
 
 def _attempt(fn):
+    """(message or None, seconds) of `fn`; the ranks start together, so a rank's seconds are its own wait."""
+    dist.barrier()
     start = time.time()
     try:
         fn()
@@ -21,34 +27,211 @@ def _attempt(fn):
         return f"{type(exc).__name__}: {exc}", time.time() - start
 
 
-def bad_inputs():
-    rank = dist.get_rank()
-    results = {}
+def _per_rank(values):
+    """This rank's value of a (rank 0, rank 1) pair."""
+    return values[dist.get_rank()]
+
+
+def layout_cases(results: dict) -> None:
     results["world-not-divisible"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=4))
     results["ring-size-not-dividing"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="hybrid",
                                                                                   ring_size=3))
     results["unknown-mode"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="stripes"))
-    layout = seqpar_hf.ParallelLayout(sp_size=2)
+    results["layout-modes-differ"] = _attempt(
+        lambda: seqpar_hf.ParallelLayout(sp_size=2, mode=_per_rank(("ulysses", "ring"))))
+    results["layout-sp-sizes-differ"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=_per_rank((2, 1))))
+    results["layout-tp-vs-sp"] = _attempt(
+        lambda: seqpar_hf.ParallelLayout(**_per_rank(({"sp_size": 2}, {"sp_size": 1, "tp_size": 2}))))
+    results["layout-one-rank-invalid"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=_per_rank((4, 2))))
 
-    def different(batch_fn):
-        model = seqpar_hf.patch_model(build_model("marian"), layout)
-        return lambda: model(**batch_fn())
+    def built_in_another_order():  # rank 0 builds (sp 1, sp 2), rank 1 (sp 2, sp 1): both fail, twice
+        errors = []
+        for sp in _per_rank(((1, 2), (2, 1))):
+            try:
+                seqpar_hf.ParallelLayout(sp_size=sp)
+            except ValueError as exc:
+                errors.append(str(exc))
+        if len(errors) == 2:
+            raise ValueError(" | ".join(errors))
+    results["layouts-in-another-order"] = _attempt(built_in_another_order)
+    results["layout-bad-timeout"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, timeout=5))
 
-    def lengths():
-        return make_batch("marian", seed=0, src_len=13 if rank == 0 else 11)
 
-    def mask_on_one_rank():
-        batch = make_batch("marian", seed=0)
+def fingerprint_cases(results: dict, layout) -> None:
+    def run(family, batch_fn, model_fn=None, call=None, **patch):
+        model = seqpar_hf.patch_model(build_model(family), layout, **patch)
+        if model_fn is not None:
+            model_fn(model)
+        return lambda: (call or (lambda m, b: m(**b)))(model, batch_fn())
+
+    rank = dist.get_rank()
+    marian = lambda **kw: make_batch("marian", seed=0, **kw)  # noqa: E731
+    llama = lambda **kw: make_batch("llama", seed=0, **kw)  # noqa: E731
+
+    def without_mask_on_rank_1():
+        batch = marian()
         if rank == 1:
             batch.pop("attention_mask")
         return batch
 
-    def token_ids():
-        return make_batch("marian", seed=rank)  # same shapes, different tokens
+    def int32_on_rank_1():
+        batch = marian()
+        batch["input_ids"] = batch["input_ids"].to(torch.int32 if rank == 1 else torch.int64)
+        return batch
 
-    results["different-lengths"] = _attempt(different(lengths))
-    results["mask-on-one-rank"] = _attempt(different(mask_on_one_rank))
-    results["different-token-ids"] = _attempt(different(token_ids))
+    def shift_labels_on_rank_1():
+        batch = llama()
+        if rank == 1:
+            batch["shift_labels"] = torch.cat([batch["labels"][:, 1:], torch.full((3, 1), -100)], 1)
+        return batch
+
+    results["different-lengths"] = _attempt(run("marian", lambda: marian(src_len=13 if rank == 0 else 11)))
+    results["mask-on-one-rank"] = _attempt(run("marian", without_mask_on_rank_1))
+    results["different-token-ids"] = _attempt(run("marian", lambda: make_batch("marian", seed=rank)))
+    results["different-dtypes"] = _attempt(run("marian", int32_on_rank_1))
+    results["shift-labels-on-one-rank"] = _attempt(run("llama", shift_labels_on_rank_1))
+    results["num-items-differ"] = _attempt(run("llama", lambda: {**llama(), "num_items_in_batch": 6 + rank}))
+    results["num-items-tensor-differ"] = _attempt(
+        run("llama", lambda: {**llama(), "num_items_in_batch": torch.tensor(6 + rank)}))
+    results["label-smoothing-differs"] = _attempt(run("llama", lambda: {**llama(), "label_smoothing": 0.1 * rank}))
+    results["training-mode-differs"] = _attempt(run("llama", llama, model_fn=lambda m: m.train(rank == 0)))
+    results["logits-to-keep-on-one-rank"] = _attempt(run("llama", lambda: {**llama(), "logits_to_keep": rank}))
+    results["output-hidden-states-on-one-rank"] = _attempt(
+        run("llama", lambda: {**llama(), "output_hidden_states": rank == 1}))
+    results["tiled-loss-differs"] = _attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_loss=rank == 0))
+    results["lm-loss-differs"] = _attempt(run("llama", llama, lm_loss=rank == 0))
+    results["attention-set-on-one-rank"] = _attempt(
+        run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa") if rank == 1 else None))
+    results["attention-set-after-patch"] = _attempt(
+        run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa")))
+    results["attention-config-after-patch"] = _attempt(
+        run("marian", marian, model_fn=lambda m: setattr(m.config, "_attn_implementation", "eager")))
+
+    def other_layout_object():  # same sizes, another layout object (its group is the same: the world)
+        second = seqpar_hf.ParallelLayout(sp_size=2)
+        model = seqpar_hf.patch_model(build_model("llama"), layout if rank == 0 else second)
+        return lambda: model(**llama())
+    results["patched-with-another-layout"] = _attempt(other_layout_object())
+    tp = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)  # a replica of 2 TP ranks (no SP group): checked too
+    tp_model = seqpar_hf.patch_model(build_model("llama"), tp)
+    results["tp-ranks-different-batches"] = _attempt(lambda: tp_model(**make_batch("llama", seed=rank)))
+    results["logits-to-keep-with-labels"] = _attempt(run("llama", lambda: {**llama(), "logits_to_keep": 1}))
+    results["output-attentions"] = _attempt(run("llama", lambda: {**llama(), "output_attentions": True}))
+    results["mask-4d"] = _attempt(run("llama", lambda: {**llama(), "attention_mask": torch.ones(3, 1, 11, 11)}))
+
+
+def validation_batches() -> dict:
+    """Bad batches that the unpatched model rejects (or accepts with a silently different meaning):
+    name -> (family, batch). Also tier 1: tests/test_validate.py compares the error classes."""
+    llama, marian = make_batch("llama", seed=0), make_batch("marian", seed=0)
+    ids, labels = llama["input_ids"], llama["labels"]
+
+    def at(x, col, value):  # one token changed, in rank 1's half of the sequence
+        x = x.clone()
+        x[0, col] = value
+        return x
+
+    return {
+        "causal-labels-longer": ("llama", {"input_ids": ids, "labels": torch.cat([labels, labels[:, :1]], 1)}),
+        "causal-labels-shorter": ("llama", {"input_ids": ids, "labels": labels[:, :-1]}),
+        "causal-labels-much-longer": ("llama", {"input_ids": ids[:, :3], "labels": labels}),
+        "causal-labels-batch": ("llama", {"input_ids": ids, "labels": labels[:2]}),
+        "shift-labels-shorter": ("llama", {"input_ids": ids, "shift_labels": labels[:, :-1]}),
+        "position-ids-shorter": ("llama", {"input_ids": ids, "labels": labels, "position_ids": torch.arange(10)[None]}),
+        "position-ids-batch": ("llama", {"input_ids": ids, "labels": labels,
+                                         "position_ids": torch.arange(11)[None].repeat(2, 1)}),
+        "attention-mask-shorter": ("llama", {**llama, "attention_mask": llama["attention_mask"][:, :-1]}),
+        "empty-sequence": ("llama", {"input_ids": ids[:, :0], "labels": labels[:, :0]}),
+        "empty-batch": ("llama", {"input_ids": ids[:0], "labels": labels[:0]}),
+        "float-input-ids": ("llama", {"input_ids": ids.float(), "labels": labels}),
+        "input-ids-1d": ("llama", {"input_ids": ids[0], "labels": labels[0]}),
+        "float-labels": ("llama", {"input_ids": ids, "labels": labels.float()}),
+        "id-past-vocab-second-half": ("llama", {"input_ids": at(ids, 9, VOCAB + 3), "labels": labels}),
+        "id-minus-one": ("llama", {"input_ids": at(ids, 9, -1), "labels": labels}),
+        "label-past-vocab-second-half": ("llama", {"input_ids": ids, "labels": at(labels, 9, VOCAB)}),
+        "label-minus-five": ("llama", {"input_ids": ids, "labels": at(labels, 9, -5)}),
+        "seq2seq-decoder-longer-than-labels": ("marian", {**marian, "decoder_input_ids": torch.cat(
+            [marian["labels"], marian["labels"][:, :2]], 1).clamp(min=0)}),
+        "seq2seq-labels-batch": ("marian", {**marian, "labels": marian["labels"][:2]}),
+        "seq2seq-empty-source": ("marian", {"input_ids": marian["input_ids"][:, :0], "labels": marian["labels"]}),
+        "seq2seq-empty-labels": ("marian", {**marian, "labels": marian["labels"][:, :0]}),
+        "seq2seq-decoder-mask-shorter": ("marian", {**marian, "decoder_attention_mask": torch.ones(3, 5, dtype=torch.long)}),
+        "seq2seq-decoder-id-past-vocab": ("marian", {**marian, "decoder_input_ids": at(
+            marian["labels"].clamp(min=0), 7, VOCAB)}),
+        "seq2seq-label-past-vocab": ("marian", {**marian, "labels": at(marian["labels"], 6, VOCAB)}),
+        "source-past-position-table": ("marian", {"input_ids": torch.randint(3, VOCAB, (1, 200)),
+                                                  "labels": marian["labels"][:1]}),
+        "bart-target-past-position-table": ("bart", {"input_ids": marian["input_ids"],
+                                                     "labels": torch.randint(3, VOCAB, (3, 129))}),
+        "gpt2-past-n-positions": ("gpt2", {"input_ids": ids.repeat(1, 7), "labels": labels.repeat(1, 7)}),
+    }
+
+
+def build(family: str):
+    """`build_model`, and a tiny GPT-2 (learned positions of n_positions=64 rows)."""
+    if family != "gpt2":
+        return build_model(family)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2, attn_implementation="sdpa"))
+
+
+def validation_cases(results: dict, layout) -> None:
+    """Every rank holds the same full batch: the same error on every rank, before any other collective."""
+    def run(family, batch, **patch):
+        model = seqpar_hf.patch_model(build(family), layout, **patch)
+        return lambda: model(**batch)
+
+    batches = validation_batches()
+    for name, (family, batch) in batches.items():
+        results[name] = _attempt(run(family, batch))
+    family, batch = batches["id-past-vocab-second-half"]
+    results["bad-id-without-check-inputs"] = _attempt(run(family, batch, check_inputs=False))
+
+
+def timeout_case(results: dict) -> None:
+    """A rank that skips a forward: the other times out in the fingerprint's all-gather, with the reason.
+    On its own group (a gloo group that timed out is closed), with a 2-second timeout."""
+    from seqpar_hf.models.checks import check_same_batch, forward_settings
+    from seqpar_hf.models.state import state_of
+    group = dist.new_group([0, 1])
+    dist.barrier(group=group)
+    group.set_timeout(timedelta(seconds=2))
+    layout = seqpar_hf.ParallelLayout(sp_size=2)
+    model = seqpar_hf.patch_model(build_model("llama"), layout)
+    state = state_of(model)
+    settings = forward_settings(state, False, {})
+
+    def forward_on_rank_0_only():
+        if dist.get_rank() == 0:
+            check_same_batch(make_batch("llama", seed=0), settings, group, torch.device("cpu"))
+        else:
+            time.sleep(4)  # past the other's timeout: it reports, this one has nothing to report
+            raise RuntimeError("skipped the forward")
+    results["rank-skips-a-forward"] = _attempt(forward_on_rank_0_only)
+
+
+def fingerprint_cost() -> dict:
+    """Collectives and bytes sent per rank in one training forward, with and without the check."""
+    layout = seqpar_hf.ParallelLayout(sp_size=2)
+    out = {}
+    for check in (True, False):
+        model = seqpar_hf.patch_model(build_model("marian"), layout, check_inputs=check)
+        batch = make_batch("marian", seed=0)
+        with counting() as calls:
+            model(**batch)
+        out[check] = calls
+    return out
+
+
+def bad_inputs():
+    from . import checkpoints
+    results = {}
+    layout_cases(results)
+    layout = seqpar_hf.ParallelLayout(sp_size=2)
+    fingerprint_cases(results, layout)
+    validation_cases(results, layout)
 
     def submodule_called_directly():  # what a library that skips the patched forward would do
         model = seqpar_hf.patch_model(build_model("llama"), layout)
@@ -63,6 +246,8 @@ def bad_inputs():
         model.set_attn_implementation("my_kernel")
         seqpar_hf.patch_model(model, layout)
     results["unsupported-attention"] = _attempt(custom_attention)
+    checkpoints.cases(results)
+    timeout_case(results)
 
     def no_process_group():
         model = seqpar_hf.patch_model(build_model("marian"), layout)
@@ -105,5 +290,7 @@ def odd_inputs():
     compare("labels-ignored-everywhere", "llama", none)
     compare("bf16", "llama", make_batch("llama", seed=3), dtype=torch.bfloat16)
     compare("inputs-embeds", "llama", make_batch("llama", seed=4), embeds=True)
+    full = make_batch("bart", seed=5, src_len=128, tgt_len=128, batch=1, pad=False)  # exactly the table
+    compare("bart-at-position-table", "bart", full)
+    out["cost"] = fingerprint_cost()
     return out
-

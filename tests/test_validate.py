@@ -1,0 +1,86 @@
+"""Tier 1: the full-batch validation (seqpar_hf/models/validate.py) raises what the unpatched model raises,
+with a message naming the tensor and the sizes; where the unpatched model silently accepts a bad batch
+(a padding mask shorter than the sequence, shift_labels of another length), a ValueError. No process
+group: `validate.check` is a function of the model and the batch. The same batches run under sp=2 in
+tests/runs/robustness.py (every rank raises, in tests/test_robustness_gloo.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from seqpar_hf.models import validate
+from seqpar_hf.models.families import inspect_model
+
+from .runs.robustness import build, validation_batches
+
+BATCHES = validation_batches()
+build = functools.cache(build)  # one model per family: forwards under no_grad leave it as it is
+STRICTER = {"attention-mask-shorter", "seq2seq-decoder-mask-shorter", "shift-labels-shorter"}  # plain: no error
+
+
+def _plain_error(model, batch):
+    try:
+        with torch.no_grad():
+            model(**batch)
+    except Exception as exc:  # noqa: BLE001 - its class is what we compare
+        return exc
+    return None
+
+
+def _validation_error(model, batch):
+    kw = dict(batch)
+    labels, shift_labels = kw.pop("labels", None), kw.pop("shift_labels", None)
+    family = inspect_model(model)
+    try:
+        values = validate.extremes(family.kind, kw, labels, shift_labels, torch.device("cpu")).tolist()
+        validate.check(family, kw, labels, shift_labels, values)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_validation_raises_what_the_unpatched_model_raises(name):
+    family, batch = BATCHES[name]
+    model = build(family)
+    plain, ours = _plain_error(model, batch), _validation_error(model, batch)
+    assert ours is not None, name
+    if name in STRICTER:
+        assert plain is None and isinstance(ours, ValueError), (plain, ours)
+    else:
+        assert plain is not None and type(ours) is type(plain), (type(plain), plain, type(ours), ours)
+    tensor = next(k for k in ("decoder_attention_mask", "attention_mask", "shift_labels", "position_ids", "labels",
+                              "decoder_input_ids", "input_ids") if k in str(ours))
+    assert tensor and any(ch.isdigit() for ch in str(ours)), ours  # names the tensor and the sizes
+
+
+@pytest.mark.parametrize("family,length", [("bart", 128), ("marian", 128), ("gpt2", 64), ("llama", 300)])
+def test_lengths_at_the_position_table_pass(family, length):
+    """No false refusal: exactly the table's length (rotary models have no table)."""
+    model = build(family)
+    ids = torch.randint(3, 90, (1, length))
+    batch = {"input_ids": ids, "labels": ids}
+    assert _plain_error(model, batch) is None and _validation_error(model, batch) is None
+
+
+def test_position_tables_are_found_by_module():
+    """Learned and sinusoidal tables looked up by id (BART's offset of 2 included) and GPT-2's wpe, a plain
+    nn.Embedding of max_position_embeddings rows; none for rotary models."""
+    tables = {f: validate.limits(inspect_model(build(f))).positions for f in ("bart", "marian", "gpt2", "llama")}
+    assert {side: n for side, (n, _) in tables["bart"].items()} == {"encoder": 128, "decoder": 128}
+    assert {side: n for side, (n, _) in tables["marian"].items()} == {"encoder": 128, "decoder": 128}
+    assert tables["gpt2"]["decoder"][0] == 64 and "wpe" in tables["gpt2"]["decoder"][1]
+    assert tables["llama"] == {}
+
+
+def test_encoder_only_models_are_refused():
+    """BertConfig has no is_causal; its self-attention says is_causal=False: refused, not patched as causal
+    (its masked-LM labels would have been shifted)."""
+    from transformers import BertConfig, BertForMaskedLM
+    model = BertForMaskedLM(BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=40))
+    with pytest.raises(ValueError, match=r"bidirectional \(encoder-only\).*is_causal=False"):
+        inspect_model(model)
