@@ -58,8 +58,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
                      "input into a DTensor that meets plain q_proj weights",
     ("jamba", "ulysses"): f"JambaMambaMixer: {_MIXER}",
     ("qwen3_next", "ulysses"): f"Qwen3NextGatedDeltaNet: {_MIXER}",
-    ("roberta", "ulysses"): "RobertaEmbeddings makes padding-aware positions (cumsum of the mask + padding_idx + 1) "
-                            "when given none; the patched backbone passes plain 0..S-1 positions",
     ("apertus", "tp2"): "the xIELU activation's learned alpha_p / alpha_n see only the rank's half of the MLP "
                         "features; their gradient is never summed over TP",
     ("opt", "ulysses"): "OPTForCausalLM.forward calls self.model.decoder, not the patched backbone (OPTModel)",
