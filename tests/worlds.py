@@ -7,7 +7,8 @@ fixture (conftest.py) and asserted by the test modules named here:
 | group             | ranks   | bodies (tests/runs/)                                         | asserted in                          |
 |-------------------|---------|--------------------------------------------------------------|--------------------------------------|
 | `misc`            | 2       | robustness (bad and odd inputs), randomness                  | test_robustness_gloo, test_randomness_gloo |
-| `parity`          | 2, 4    | parity cases; at 4 also the ring kernel numerics             | test_parity_gloo, test_ring_gloo     |
+| `parity`          | 2, 4    | parity cases; generation under SP (at 2 also its refusals    | test_parity_gloo, test_ring_gloo,    |
+|                   |         | and the Trainer's --sp_generate); at 4 also the ring kernels | test_generation_gloo                 |
 | `packing`         | 2, 4    | packed-row cases                                             | test_packing_gloo                    |
 | `tensor_parallel` | 2, 4    | TP (+ SP, DP) cases; at 2 also the TP refusals               | test_tp_gloo                         |
 | `trainer`         | 2, 4    | Trainer runs; at 2 resume and TP generation; at 4 data /     | test_trainer_gloo, test_fsdp_gloo    |
@@ -30,8 +31,10 @@ def misc() -> dict:
 
 
 def parity() -> dict:
+    from .runs import generation
     from .runs import parity as cases
-    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()])}
+    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()]),
+           "generation": generation.all_checks(dist.get_world_size())}
     if dist.get_world_size() == 4:
         from .runs import ring
         out["ring"] = ring.all_checks()
