@@ -55,7 +55,8 @@ def _refusals(results):
 
 
 @pytest.mark.parametrize("what,pattern", [
-    ("prompt_lookup", "NotImplementedError: generate under sequence parallelism: generation mode 'assisted_generation'"),
+    ("prompt_lookup", "NotImplementedError: generate under sequence parallelism: generation mode "
+                      "'assisted_generation'"),
     ("static_cache", "cache_implementation='static'"),
     ("output_attentions", "output_attentions is not available under sequence parallelism"),
     ("no_cache", "use_cache=False is not supported"),

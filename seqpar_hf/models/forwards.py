@@ -160,7 +160,7 @@ def _last_position(x: torch.Tensor, plan, group) -> torch.Tensor:
     last = plan.length - 1
     owner = next(r for r in range(plan.sp_size) if bool((plan.global_index(r) == last).any()))
     index = int((plan.global_index(owner) == last).nonzero()[0])
-    out = x[:, index:index + 1].contiguous() if owner == plan.sp_rank else x.new_empty(x.shape[0], 1, *x.shape[2:])
+    out = x[:, index:index + 1].contiguous() if owner == plan.sp_rank else x.new_zeros(x.shape[0], 1, *x.shape[2:])
     if group is not None:
         dist.broadcast(out, group=group, group_src=owner)
     return out

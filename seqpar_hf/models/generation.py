@@ -65,6 +65,7 @@ class GenerateSP(_Wrapper):
         return generate(state, self.original, self.named(args, kwargs))
 
 
+@torch.no_grad()  # as transformers' generate: the encoder's sharded forward keeps no graph
 def generate(state: PatchState, original, kwargs: dict):
     """Run `original` (transformers' generate, bound to the model) under SP with `kwargs` (named)."""
     model, layout = state.family.pretrained, state.layout
@@ -85,8 +86,9 @@ def generate(state: PatchState, original, kwargs: dict):
         error = exc
     rng = _rng_state(device) if config is not None and config.do_sample else None
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    check_same_generation(tensors, settings, rng, None if error is None else str(error), model.training,
-                          layout.sp_group, device)
+    if state.check_inputs:  # patch_model(..., check_inputs=False) turns it off, as for forwards
+        check_same_generation(tensors, settings, rng, None if error is None else str(error), model.training,
+                              layout.sp_group, device)
     if error is not None:
         raise error
     session = DecodeSession(layout)

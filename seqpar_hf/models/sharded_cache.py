@@ -60,17 +60,22 @@ class ShardedLayer(CacheLayerMixin):
         self.steps += 1
         mine = [i for i in range(s_q) if (first + i) % self.sp_size == self.sp_rank]
         if mine:
-            pick = torch.tensor(mine, device=key_states.device)
-            self.keys = torch.cat([self.keys, key_states.index_select(2, pick)], dim=2)  # [b, h_kv, n + k, d]
-            self.values = torch.cat([self.values, value_states.index_select(2, pick)], dim=2)
-            self.index = torch.cat([self.index, self.query_index[pick]])
+            if len(mine) < s_q:  # (a one-token step is kept whole or not at all)
+                pick = torch.tensor(mine, device=key_states.device)
+                key_states, value_states = key_states.index_select(2, pick), value_states.index_select(2, pick)
+            self.keys = torch.cat([self.keys, key_states], dim=2)  # [b, h_kv, n, d] -> [b, h_kv, n + k, d]
+            self.values = torch.cat([self.values, value_states], dim=2)
+            self.index = torch.cat([self.index, self.query_index[mine]])
             if self.valid is not None:
                 self.valid = torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], len(mine))], dim=1)
         return self.keys, self.values
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor | None:
         """[b or 1, 1, s_q, n]: which local keys each of the last update's queries may see (causal, window,
-        validity). Built per layer and step without a host sync."""
+        validity), built per layer and step without a host sync; None when all of them (one query sees every
+        key before it: with no padding and no window, every key this rank holds)."""
+        if self.valid is None and self.window is None and self.query_index.numel() == 1:
+            return None
         q, k = self.query_index[:, None], self.index[None, :]
         mask = k <= q
         if self.window is not None:

@@ -64,7 +64,8 @@ def run_case(case: dict) -> dict:
     tokens = [None] * layout.sp_size
     dist.all_gather_object(tokens, out.sequences.tolist(), group=layout.sp_group)
     result = {"name": case["name"], "rank": layout.rank, "tokens_equal": torch.equal(out.sequences, want.sequences),
-              "same_on_every_rank": all(t == tokens[0] for t in tokens), "scores_err": _finite_error(out.scores, want.scores),
+              "same_on_every_rank": all(t == tokens[0] for t in tokens),
+              "scores_err": _finite_error(out.scores, want.scores),
               "logits_err": _finite_error(out.logits, want.logits), "length": out.sequences.shape[1]}
     if case.get("beams", 1) > 1:
         result["sequence_scores_err"] = relative_error(out.sequences_scores, want.sequences_scores)
@@ -142,8 +143,9 @@ def refusals() -> dict:
         "output_attentions": _message(lambda: model.generate(**inputs, **gen, output_attentions=True,
                                                              return_dict_in_generate=True)),
         "no_cache": _message(lambda: model.generate(**inputs, **gen, use_cache=False)),
-        "inputs_embeds": _message(lambda: model.generate(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]),
-                                                         attention_mask=inputs["attention_mask"], **gen)),
+        "inputs_embeds": _message(lambda: model.generate(
+            inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]), attention_mask=inputs["attention_mask"],
+            **gen)),
         "position_ids": _message(lambda: model.generate(**inputs, **gen, position_ids=torch.arange(11)[None])),
         "encoder_outputs": _message(lambda: marian.generate(**inputs_for("marian", 3), **gen,
                                                             encoder_outputs=(torch.zeros(3, 13, 24),))),
