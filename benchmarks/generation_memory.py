@@ -91,20 +91,20 @@ def sharded_bytes(sp: int, source: int, prompt: int) -> list[dict]:
         out = run_generate(model, tokens(source, spec.vocab), NEW_TOKENS)
     hook.remove()
     cross = out.cache.cross_attention_cache.layers
-    rows.append({"model": "marian-base", "part": "encoder states + cross K/V", "sp": sp, "tokens": source,
+    rows.append({"model": "marian-base", "what": "encoder states + cross K/V", "sp": sp, "tokens": source,
                  "encoder_states": _bytes([seen["states"]]),
                  "cross_kv": _bytes([t for layer in cross for t in (layer.keys, layer.values)]),
                  "self_kv (replicated)": _bytes([t for layer in out.cache.self_attention_cache.layers
                                                  for t in (layer.keys, layer.values)]),
-                 "received_per_step": sum(received) / (NEW_TOKENS - 1)})
+                 "received_per_step": sum(received) / NEW_TOKENS})  # every decoder forward is a step
     rows[-1]["sharded"] = rows[-1]["encoder_states"] + rows[-1]["cross_kv"]
     received.clear()
     model, spec = model_for("llama-gqa", prompt, sp)
     with tap:
         out = run_generate(model, tokens(prompt, spec.vocab), NEW_TOKENS)
-    rows.append({"model": "llama-gqa", "part": "KV cache", "sp": sp, "tokens": prompt + NEW_TOKENS,
+    rows.append({"model": "llama-gqa", "what": "KV cache", "sp": sp, "tokens": prompt + NEW_TOKENS,
                  "sharded": _bytes([t for layer in out.cache.layers for t in (layer.keys, layer.values)]),
-                 "received_per_step": sum(received) / (NEW_TOKENS - 1)})
+                 "received_per_step": sum(received) / (NEW_TOKENS - 1)})  # the forwards after the prompt's
     gc.collect()
     return rows
 
@@ -240,7 +240,7 @@ def measure_bytes(args) -> list[dict]:
     print("\n1. Bytes per rank of the sharded parts (target: x sp / sp=1 <= 1.10)\n")
     print(table([{**r, "sharded_f": fmt_bytes(r["sharded"]), "ratio": f"{r['times_sp_over_sp1']:.3f}",
                   "recv": fmt_bytes(r["received_per_step"])} for r in rows],
-                [("model", "model"), ("what", "part"), ("sp", "sp"), ("tokens", "tokens"),
+                [("model", "model"), ("what", "what"), ("sp", "sp"), ("tokens", "tokens"),
                  ("bytes / rank", "sharded_f"), ("x sp / sp=1", "ratio"), ("received / step", "recv")]))
     return [{"part": "bytes", **r} for r in rows]
 

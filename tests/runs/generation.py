@@ -91,6 +91,8 @@ def _cases(world: int) -> list[dict]:
             dict(base, name="ring-bart-greedy", family="bart", mode="ring"),
             dict(base, name="ulysses-bart-beam4", family="bart", beams=4),
             dict(base, name="ulysses-m2m100-beam4", family="m2m100", beams=4),
+            dict(base, name="ulysses-mbart-greedy", family="mbart"),
+            dict(base, name="ring-pegasus-beam4", family="pegasus", mode="ring", beams=4),
             dict(base, name="ulysses-marian-sample", family="marian", sample=True),
             dict(base, name="ulysses-llama-greedy", family="llama"),
             dict(base, name="ulysses-llama-beam4", family="llama", beams=4),
@@ -115,6 +117,9 @@ def _cases(world: int) -> list[dict]:
              model=qwen_window, sample=True),
         dict(base, name="sp4-ulysses-mistral-window-greedy", family="mistral", model=window),
         dict(base, name="sp4-ring-mistral-window-beam4", family="mistral", mode="ring", model=window, beams=4),
+        dict(base, name="sp4-hybrid-gemma3-sliding-and-global-beam4", family="gemma3", mode="hybrid", ring_size=2,
+             beams=4),
+        dict(base, name="sp4-ring-mixtral-moe-greedy", family="mixtral", mode="ring"),
     ]
 
 
