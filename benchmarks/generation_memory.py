@@ -210,7 +210,8 @@ def main():
     parser.add_argument("--prompt", type=int, default=8192, help="llama-gqa prompt tokens")
     parser.add_argument("--budget-gib", type=float, default=2.0, help="per-rank budget of the longest-prompt search")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", default=["bytes", "longest", "time"], choices=["bytes", "longest", "time"],
+    parts = ["bytes", "longest", "time"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts,
                         help="what to measure; the records of the other parts are kept from the JSON file")
     parser.add_argument("--quick", action="store_true")
     output_options(parser, "generation_memory", figure=False)

@@ -83,3 +83,16 @@ def test_sp_generate_argument_is_validated(tmp_path):
 
     with pytest.raises(ValueError, match="sp_generate='sometimes': choose one of auto, always, never"):
         SequenceParallelArguments(output_dir=str(tmp_path), sp_generate="sometimes", use_cpu=True, report_to=[])
+
+
+def test_generate_on_a_tensor_parallel_sp_layout_is_refused():
+    from seqpar_hf.models.generation import GenerateSP
+
+    layout = SimpleNamespace(enabled=True, sizes=SimpleNamespace(tp_size=2))
+    state = SimpleNamespace(detached=False, decoding=None, plain_depth=0, layout=layout)
+
+    def original(input_ids=None):  # never reached
+        raise AssertionError
+
+    with pytest.raises(NotImplementedError, match="tensor-parallel model.*plain_copy"):
+        GenerateSP(state, original)(input_ids=torch.ones(1, 3))

@@ -79,8 +79,9 @@ def check_same_batch(inputs: dict, training: bool, group, device) -> None:
     if all(rows == everyone[0] for rows in everyone):
         return
     problems = "; ".join(_field_problems(everyone))
-    raise ValueError("ranks of one sequence-parallel group got different batches (" + problems + "). Every rank of an SP group must pass the same, full batch: shard data over "
-                     "layout.dp_size / layout.dp_rank, not over the world (SequenceParallelTrainer does this).")
+    raise ValueError("ranks of one sequence-parallel group got different batches (" + problems + "). Every rank of "
+                     "an SP group must pass the same, full batch: shard data over layout.dp_size / layout.dp_rank, not "
+                     "over the world (SequenceParallelTrainer does this).")
 
 
 def _hash(text: str) -> int:
