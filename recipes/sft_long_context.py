@@ -180,15 +180,17 @@ def main(argv=None):
     metrics = trainer.evaluate()
     trainer.save_model(args.output_dir)
 
+    # every rank generates (under SP with sp_size > 1: the group's ranks share each prompt's KV cache); rank 0 prints
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    test = splits["test"]
+    continuations = []
+    for i in range(3):
+        prompt = torch.tensor([test["input_ids"][i]], device=model.device)
+        out = model.generate(input_ids=prompt, max_new_tokens=30, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        continuations.append(translation_data.decode_french(tokenizer, [out[0, prompt.shape[1]:].tolist()])[0])
     if trainer.is_world_process_zero():
-        model = trainer.accelerator.unwrap_model(trainer.model).eval()
         print("\nContinuations (English </s> -> the model's French):")
-        test = splits["test"]
-        for i in range(3):
-            prompt = torch.tensor([test["input_ids"][i]], device=model.device)
-            out = model.generate(input_ids=prompt, max_new_tokens=30, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id)
-            french = translation_data.decode_french(tokenizer, [out[0, prompt.shape[1]:].tolist()])[0]
+        for i, french in enumerate(continuations):
             print(f"  EN:  {test['en'][i]}\n  OUT: {french}\n")
         print(f"eval_loss {metrics['eval_loss']:.3f}; eval token accuracy {metrics['eval_mean_token_accuracy']:.3f}; "
               f"total time {(time.time() - started) / 60:.1f} min; saved model: {os.path.abspath(args.output_dir)}")

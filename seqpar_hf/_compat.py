@@ -115,6 +115,27 @@ def attn_implementation(config) -> str | None:
     return config._attn_implementation
 
 
+def original_attention_function(module, implementation: str):
+    """The attention function `module` runs under `implementation`, as its own forward picks it:
+    `ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`, where "eager" is the function
+    of that name in the module's modeling file (a transformers convention, not an exported name)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if implementation == "eager" and eager is None:
+        raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward in its modeling file")
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+
+
+def prepare_generation_config(model, generation_config, kwargs: dict):
+    """(the generation config `generate` will run with, the model kwargs left over):
+    `GenerationMixin._prepare_generation_config`, which merges the call's arguments, the given config,
+    the model's and transformers' defaults the way `generate` does."""
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
 def seq2seq_gen_kwargs(trainer) -> dict:
     """`Seq2SeqTrainer._gen_kwargs`: the generation kwargs `evaluate`/`predict` were called with."""
     return dict(getattr(trainer, "_gen_kwargs", None) or {})

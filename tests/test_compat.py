@@ -160,3 +160,30 @@ def test_transformers_config_attention_implementation_reads_back():
     model = build_model("llama")
     model.set_attn_implementation("eager")
     assert _compat.attn_implementation(model.config) == "eager"
+
+
+def test_transformers_generation_internals_for_generation_under_sp():
+    """generate under SP merges the call's settings as generate does (`_prepare_generation_config`), runs a
+    decoding step's replicated self-attention with the model's own function (the modeling file's
+    `eager_attention_forward` for "eager"), and subclasses `Cache` / `CacheLayerMixin`."""
+    import importlib
+
+    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    from .helpers.models import build_model
+
+    assert list(inspect.signature(LlamaForCausalLM._prepare_generation_config).parameters) == [
+        "self", "generation_config", "kwargs"]
+    config, rest = _compat.prepare_generation_config(build_model("llama"), None, {"max_new_tokens": 3, "foo": 1})
+    assert isinstance(config, GenerationConfig) and config.max_new_tokens == 3 and rest == {"foo": 1}
+    for name in ("marian.modeling_marian", "bart.modeling_bart", "m2m_100.modeling_m2m_100", "llama.modeling_llama",
+                 "mistral.modeling_mistral", "qwen2.modeling_qwen2"):
+        assert callable(importlib.import_module(f"transformers.models.{name}").eager_attention_forward), name
+    model = build_model("marian")
+    assert _compat.original_attention_function(model.model.decoder.layers[0].self_attn, "eager").__module__ \
+        == "transformers.models.marian.modeling_marian"
+    assert {"update", "get_seq_length", "get_mask_sizes", "reorder_cache"} <= set(vars(Cache))
+    assert CacheLayerMixin.__abstractmethods__ <= {"lazy_initialization", "update", "get_mask_sizes", "get_seq_length",
+                                                   "get_max_length"}
+    assert "layers" in inspect.signature(Cache.__init__).parameters

@@ -7,8 +7,9 @@ fixture (conftest.py) and asserted by the test modules named here:
 | group             | ranks   | bodies (tests/runs/)                                         | asserted in                          |
 |-------------------|---------|--------------------------------------------------------------|--------------------------------------|
 | `misc`            | 2       | robustness (bad and odd inputs), randomness                  | test_robustness_gloo, test_randomness_gloo |
-| `parity`          | 2, 4    | parity cases, the fused Ulysses exchange; at 4 also the ring | test_parity_gloo, test_ulysses_gloo, |
-|                   |         | kernel numerics                                              | test_ring_gloo                       |
+| `parity`          | 2, 4    | parity cases, the fused Ulysses exchange, generation under   | test_parity_gloo, test_ulysses_gloo, |
+|                   |         | SP (at 2 also its refusals and the Trainer's --sp_generate); | test_generation_gloo, test_ring_gloo |
+|                   |         | at 4 also the ring kernel numerics                           |                                      |
 | `packing`         | 2, 4    | packed-row cases                                             | test_packing_gloo                    |
 | `tensor_parallel` | 2, 4    | TP (+ SP, DP) cases; at 2 also the TP refusals               | test_tp_gloo                         |
 | `trainer`         | 2, 4    | Trainer runs; at 2 resume and TP generation; at 4 data /     | test_trainer_gloo, test_fsdp_gloo    |
@@ -31,9 +32,11 @@ def misc() -> dict:
 
 
 def parity() -> dict:
+    from .runs import generation
     from .runs import parity as cases
     from .runs import ulysses
-    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()]), "ulysses": ulysses.all_checks()}
+    out = {"cases": cases.run_cases(cases.CASES[dist.get_world_size()]), "ulysses": ulysses.all_checks(),
+           "generation": generation.all_checks(dist.get_world_size())}
     if dist.get_world_size() == 4:
         from .runs import ring
         out["ring"] = ring.all_checks()

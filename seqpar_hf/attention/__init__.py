@@ -1,1 +1,2 @@
-"""Attention under sequence parallelism: the local kernels, masks, Ulysses and ring."""
+"""Attention under sequence parallelism: the local kernels, masks, Ulysses and ring; decoding steps over
+sharded keys."""

@@ -28,7 +28,7 @@ from ..parallel.agree import explain_timeout
 from ..parallel.comm import all_gather_into, group_size
 from ..parallel.layout import MODES
 from . import validate
-from .state import ATTN_NAME
+from .state import ATTN_DECODE_NAME, ATTN_NAME
 
 FIELDS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
           "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "decoder_position_ids")
@@ -115,7 +115,7 @@ def attention_in_use(state):
     it was changed after patch_model (`set_attn_implementation`, `config._attn_implementation = ...`)."""
     for site in state.family.attention:
         name = _compat.attn_implementation(site.module.config)
-        if name != ATTN_NAME:
+        if name not in (ATTN_NAME, ATTN_DECODE_NAME):  # the decode name: generate under SP selects it
             return name
     return ATTN_NAME
 
@@ -219,12 +219,13 @@ def attention_name(code: int):
 
 
 def check_forward(state, kwargs: dict, training: bool, device, labels=None, shift_labels=None, num_items=None,
-                  label_smoothing=0.0, lm_loss: bool = False) -> None:
+                  label_smoothing=0.0, lm_loss: bool = False, compare: bool = True) -> None:
     """Before sharding, on every rank of the replica: the fingerprint (a mismatch raises everywhere), then
     the attention implementation, then the full batch's validation (`validate`), all from one all-gather
-    and one host sync. Without `check_inputs`, the validation alone (one host sync, no collective)."""
+    and one host sync. Without `check_inputs` (or `compare`: the caller compared the inputs already), the
+    validation alone (one host sync, no collective)."""
     extra = validate.extremes(state.family.kind, kwargs, labels, shift_labels, device)
-    if state.check_inputs:
+    if state.check_inputs and compare:
         settings = forward_settings(state, training, kwargs, num_items, label_smoothing, lm_loss)
         values = check_same_batch({**kwargs, "labels": labels, "shift_labels": shift_labels}, settings,
                                   state.layout.replica_group, device, extra)

@@ -38,3 +38,14 @@ class ForwardContext:
         if key not in self.patterns:
             self.patterns[key] = Pattern(MaskSpec(self.seqs[q_side], self.seqs[kv_side], causal, key[3]))
         return self.patterns[key]
+
+
+class DecodeStep:
+    """Per-forward metadata of one decoding step of sequence-parallel generation (no sequence is
+    sharded in it: the step's few new tokens are replicated on every rank). `source_valid`
+    [b, S_pad / sp] marks which of this rank's encoder positions are real (None: all of them), for
+    cross-attention over the sharded encoder states; decoder-only models read their keys' positions
+    from the sequence-sharded cache, `cache`."""
+
+    def __init__(self, layout: ParallelLayout, source_valid: torch.Tensor | None = None, cache=None):
+        self.layout, self.source_valid, self.cache = layout, source_valid, cache

@@ -9,7 +9,9 @@
   instead and computes the loss over the SP group: logits stay [b, s/sp, vocab] per rank. It shards its
   labels with the plan it knows the backbone uses (`inputs.shard_plan` of what it passes down): the data
   flows one way, the backbone never reports back. Without labels it returns what the unpatched model does.
-- `GenerateWithoutSP`: generation runs the plain model on this rank's own inputs.
+While `generate` runs under SP (`models.generation`), a decoder-only model's first forward (the prompt)
+is sharded like any other and returns only its last position; every later forward is a decoding step
+that shards nothing (`models.decoding`).
 """
 
 from __future__ import annotations
@@ -76,15 +78,20 @@ class BackboneForward(_Wrapper):
         if state.detached:
             return self.original(*args, **kwargs)
         kwargs = self.named(args, kwargs)
-        if state.plain_depth or _incremental(kwargs):
-            with state.without_sp():  # incremental decoding: no SP, this rank's own data
+        session = state.decoding
+        if state.plain_depth or (_incremental(kwargs) and session is None):
+            with state.without_sp():  # incremental decoding outside generate: no SP, this rank's own data
                 return self.original(**kwargs)
+        if session is not None and not session.prefill_pending():
+            return self._decoding_step(session, kwargs)
         request = state.take_request()  # a language-model forward's, for this call only
         layout, family = state.layout, state.family
         if layout.replica_size > 1:
             _require_process_group(layout)
             if not (request is not None and request.checked):  # fingerprint, then the full batch's validation
-                check_forward(state, kwargs, family.backbone.training, _device(kwargs, family.backbone))
+                # generate compared its inputs across the group already: the prompt's forward validates only
+                check_forward(state, kwargs, family.backbone.training, _device(kwargs, family.backbone),
+                              compare=session is None)
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions is not available under sequence parallelism")
         if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
@@ -97,19 +104,34 @@ class BackboneForward(_Wrapper):
         training = family.backbone.training
         device = ctx.positions["decoder"].device
         rng = per_rank_stream(layout.sp_rank, device) if training and layout.enabled else contextlib.nullcontext()
-        with state.running(ctx), state.layerdrop.decide(training and layout.enabled), rng:
-            out = self.original(**kwargs, return_dict=True)
+        if session is not None:
+            session.begin_prefill(ctx)  # the attention modules store their local K/V in the sharded cache
+        try:
+            with state.running(ctx), state.layerdrop.decide(training and layout.enabled), rng:
+                out = self.original(**kwargs, return_dict=True)
+        finally:
+            if session is not None:
+                session.end_prefill()
         if request is None:
             state.outputs = None  # returned whole
-        out = _gather_outputs(out, ctx, everything=request is None)
+        out = _gather_outputs(out, ctx, everything=request is None, last_only=session is not None)
         return out if return_dict is not False else out.to_tuple()
 
+    def _decoding_step(self, session, kwargs):
+        """A decoding step of generation under SP: the step's tokens are replicated, nothing is sharded."""
+        step = session.step(kwargs)
+        if self.takes_kwargs:
+            kwargs[CONTEXT_KWARG] = step
+        with self.state.stepping(step):
+            return self.original(**kwargs)
 
-def _gather_outputs(out, ctx: ForwardContext, everything: bool):
+
+def _gather_outputs(out, ctx: ForwardContext, everything: bool, last_only: bool = False):
     """Sequence-sharded outputs -> the full sequence. Under tensor parallelism, first the whole
     SP-local sequence on every TP rank (a TP rank holds a slice of it after the last norm). Router
     logits always (a load-balancing loss on top counts every token); hidden states unless the caller
-    takes this rank's shard."""
+    takes this rank's shard. `last_only` (the prompt's forward in generation): the last hidden state
+    of the last position only, [b, 1, d], which is all the next token needs."""
     layout = ctx.layout
     group, scale = layout.sp_group, float(layout.sp_size)
     if layout.sizes.tp_size > 1:
@@ -120,7 +142,9 @@ def _gather_outputs(out, ctx: ForwardContext, everything: bool):
     for key in list(out.keys()):
         value = out[key]
         plan = ctx.plan("encoder" if key.startswith("encoder_") else "decoder")
-        if key == "router_logits" and value is not None:
+        if last_only and key == "last_hidden_state":
+            out[key] = _last_position(value, plan, group)
+        elif key == "router_logits" and value is not None:
             # per layer [b * s_loc, E] -> [b, s_loc, E] -> [b, S, E] -> [b * S, E]
             out[key] = tuple(gather_full(r.view(batch, -1, r.shape[-1]), plan, group, scale).flatten(0, 1)
                              for r in value)
@@ -132,6 +156,17 @@ def _gather_outputs(out, ctx: ForwardContext, everything: bool):
     return out
 
 
+def _last_position(x: torch.Tensor, plan, group) -> torch.Tensor:
+    """[b, s_loc, d] shards -> [b, 1, d]: the sequence's last real position, sent by the rank holding it."""
+    last = plan.length - 1
+    owner = next(r for r in range(plan.sp_size) if bool((plan.global_index(r) == last).any()))
+    index = int((plan.global_index(owner) == last).nonzero()[0])
+    out = x[:, index:index + 1].contiguous() if owner == plan.sp_rank else x.new_zeros(x.shape[0], 1, *x.shape[2:])
+    if group is not None:
+        dist.broadcast(out, group=group, group_src=owner)
+    return out
+
+
 class LMForward(_Wrapper):
     """The language model's forward: with labels, this rank's shard of the logits and the group's loss."""
 
@@ -140,7 +175,7 @@ class LMForward(_Wrapper):
         if state.detached:
             return self.original(*args, **kwargs)
         kwargs = self.named(args, kwargs)
-        if state.plain_depth or _incremental(kwargs):
+        if state.plain_depth or (_incremental(kwargs) and state.decoding is None):
             with state.without_sp():
                 return self.original(**kwargs)
         labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
@@ -202,13 +237,3 @@ def _output_plans(kind: str, layout: ParallelLayout, kwargs: dict) -> dict:
         if kind == "seq2seq" else {"decoder": ("input_ids", "inputs_embeds")}
     lengths = {side: _length(kwargs, *keys) for side, keys in sides.items()}
     return {side: shard_plan(layout, n, causal=side == "decoder") for side, n in lengths.items() if n is not None}
-
-
-class GenerateWithoutSP(_Wrapper):
-    """`generate` runs the plain model on this rank's own inputs (incremental decoding has no sequence to split)."""
-
-    def __call__(self, *args, **kwargs):
-        if self.state.detached:
-            return self.original(*args, **kwargs)
-        with self.state.without_sp():
-            return self.original(*args, **kwargs)

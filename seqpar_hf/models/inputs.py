@@ -185,3 +185,17 @@ def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: 
     return ForwardContext(layout, {"encoder": src_meta, "decoder": tgt_meta},
                           {"encoder": src_local, "decoder": tgt_local}, {"encoder": src_full, "decoder": tgt_full},
                           local_outputs, ids)
+
+
+def shard_source(layout: ParallelLayout, kw: dict, pad_id: int, keep_ids: bool = False) -> ForwardContext:
+    """Shard an encoder's own inputs in place (generation under SP runs the encoder alone, and keeps its
+    outputs sharded); the context has the encoder side only."""
+    b, s_src, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
+    mask = _mask(kw.get("attention_mask"), "attention_mask")
+    plan = shard_plan(layout, s_src, causal=False)
+    full, local = _positions(plan, None, device)
+    ids = {"encoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
+    _tokens(plan, kw, "input_ids", "inputs_embeds", pad_id)
+    meta = _meta(plan, mask, None, b, device)
+    kw["attention_mask"] = plan.shard(meta.valid) if meta.valid is not None else None
+    return ForwardContext(layout, {"encoder": meta}, {"encoder": local}, {"encoder": full}, True, ids)

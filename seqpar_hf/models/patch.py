@@ -3,7 +3,7 @@ and undo it.
 
 Touches transformers only through public hooks, per instance, reversibly: an attention function and a
 mask function registered under "seqpar_hf" (`registry`) and selected by this model's own copy of its
-config; instance `forward` / `generate` wrappers (`forwards`); forward hooks on position embeddings
+config; instance `forward` / `generate` wrappers (`forwards`, `generation`); forward hooks on position embeddings
 (`positions`). Every piece is an object rather than a closure, so `copy.deepcopy` of a patched model is a
 patched model on the same layout.
 """
@@ -22,7 +22,8 @@ from ..parallel import auto
 from ..parallel.layout import ParallelLayout
 from . import positions, tensor_parallel
 from .families import ModelFamily, inspect_model
-from .forwards import BackboneForward, GenerateWithoutSP, LMForward, _Wrapper
+from .forwards import BackboneForward, LMForward, _Wrapper
+from .generation import GenerateSP
 from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .registry import register
 from .state import ATTN_NAME, AttentionSite, PatchState, TiledLoss, attach, detach, set_site, state_of
@@ -85,7 +86,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
         model.accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch (its own attribute name)
     for obj in {id(o): o for o in (model, pretrained)}.values():
         if callable(getattr(obj, "generate", None)):
-            _replace(state, obj, "generate", GenerateWithoutSP(state, obj.generate))
+            _replace(state, obj, "generate", GenerateSP(state, obj.generate, outer=obj is not pretrained))
     attach(state, (model, pretrained, family.backbone))
     pretrained.set_attn_implementation(ATTN_NAME)
     if tp > 1:
@@ -130,7 +131,8 @@ def is_patched(model) -> bool:
 
 
 def sp_disabled(model):
-    """Context manager: inside it, a patched model runs without SP on this rank's own data."""
+    """Context manager: inside it, a patched model runs without SP on this rank's own data (its forward, and
+    `generate`, which otherwise runs sequence-parallel on the group's full batch)."""
     state = state_of(model)
     return contextlib.nullcontext() if state is None else state.without_sp()
 

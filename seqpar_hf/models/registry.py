@@ -1,4 +1,5 @@
-"""What transformers calls: the attention function and the mask function registered under "seqpar_hf".
+"""What transformers calls: the attention function and the mask function registered under "seqpar_hf"
+(and under "seqpar_hf_decode", selected while `generate` runs under SP: `models.decoding`).
 
 Registering a name is process-wide, but only a patched model's own copy of its config selects it, so
 every other model keeps its attention. The attention function finds its module's `AttentionSite` and
@@ -15,8 +16,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .context import CONTEXT_KWARG
-from .state import ATTN_NAME, site_of
+from . import decoding
+from .context import CONTEXT_KWARG, DecodeStep
+from .state import ATTN_DECODE_NAME, ATTN_NAME, site_of
 
 
 def _pattern_key(fn):
@@ -79,7 +81,7 @@ def sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
         raise RuntimeError(f"{type(module).__name__} has attn_implementation={ATTN_NAME!r} but was not patched by "
                            "seqpar_hf.patch_model (a model rebuilt from a patched config?); build it from the "
                            "original config, or patch the model itself")
-    ctx = kwargs.get(CONTEXT_KWARG) or site.state.active
+    ctx = kwargs.get(CONTEXT_KWARG) or site.state.active or site.state.step
     if ctx is None:
         raise RuntimeError(
             f"seqpar_hf: the sequence-parallel attention of {site.name} ran outside a sharded forward of the patched "
@@ -91,12 +93,29 @@ def sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{site.name}: attention soft-capping and sinks are not supported under sequence "
                                   "parallelism")
+    if isinstance(ctx, DecodeStep):  # a decoding step of generation under SP: nothing is sharded in it
+        return decoding.attend(site, module, query, key, value, attention_mask, ctx, dropout, scaling, is_causal,
+                               sliding_window, kwargs)
     causal = bool(module.is_causal if is_causal is None else is_causal)
     out = site.attend(ctx, query, key, value, causal, sliding_window, scaling, dropout)  # [b, h, s_q/sp, d]
+    if site.state.decoding is not None:  # the prompt's forward of generation: trim this layer's cache shard
+        decoding.after_prefill_attention(site.state, module, sliding_window)
     return out.transpose(1, 2), None  # [b, s_q/sp, h, d]
+
+
+def sp_decode_mask(*args, **kwargs):
+    """Mask function while `generate` runs under SP: the sharded forwards need none (as `sp_mask`), a
+    decoding step's replicated self-attention needs the original one; so the mask is deferred and built
+    only where an attention site asks for it (`decoding.DeferredMask`)."""
+    mask_function = kwargs.get("mask_function", args[5] if len(args) > 5 else None)
+    if mask_function is not None:
+        _check_mask_pattern(mask_function)
+    return decoding.deferred_mask(*args, **kwargs)
 
 
 @functools.cache
 def register() -> None:
     AttentionInterface.register(ATTN_NAME, sp_attention)
     AttentionMaskInterface.register(ATTN_NAME, sp_mask)
+    AttentionInterface.register(ATTN_DECODE_NAME, sp_attention)
+    AttentionMaskInterface.register(ATTN_DECODE_NAME, sp_decode_mask)

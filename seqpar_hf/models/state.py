@@ -18,6 +18,7 @@ from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .rng import LayerDropSync
 
 ATTN_NAME = "seqpar_hf"  # the attention implementation a patched model's own config selects
+ATTN_DECODE_NAME = "seqpar_hf_decode"  # selected while `generate` runs under SP (same attention, deferred masks)
 _STATE = "_seqpar_state"  # on the patched model, its transformers model and its backbone
 _SITE = "_seqpar_site"  # on each patched attention module
 
@@ -67,14 +68,18 @@ class PatchState:
         # gather_logits / gather_sequence; set by whichever wrapper returned them to the caller.
         self.outputs: dict[str, ShardPlan] | None = None
         self.request: Request | None = None  # handed from the LM forward to the backbone forward, one call
-        self.plain_depth = 0  # > 0 while running without SP (generation, sp_disabled)
+        self.plain_depth = 0  # > 0 while running without SP (sp_disabled, tensor-parallel generation)
+        # Sequence-parallel generation running now (`decoding.DecodeSession`), and its current decoding step
+        # (`context.DecodeStep`, for attention modules that get no kwargs from their backbone)
+        self.decoding = None
+        self.step = None
         self.detached = False  # set by unpatch_model: wrappers someone still holds become pass-through
         self.hooks = []
         self.replaced: list[tuple[object, str, bool, object]] = []  # (object, attribute, had one, previous value)
         self.layerdrop = LayerDropSync(family.layer_stacks)
 
     def __getstate__(self):  # deepcopy: a copy starts with no forward running
-        return {**self.__dict__, "active": None, "outputs": None, "request": None}
+        return {**self.__dict__, "active": None, "outputs": None, "request": None, "decoding": None, "step": None}
 
     @contextlib.contextmanager
     def without_sp(self):
@@ -88,7 +93,28 @@ class PatchState:
         finally:
             self.plain_depth -= 1
             if self.plain_depth == 0:
-                model.set_attn_implementation(ATTN_NAME)
+                model.set_attn_implementation(ATTN_NAME if self.decoding is None else ATTN_DECODE_NAME)
+
+    @contextlib.contextmanager
+    def generating(self, session):
+        """Run `generate` under SP: the decode implementation (sequence-parallel attention whose masks are
+        built only where a decoding step needs the original ones) and the session, for this call."""
+        model = self.family.pretrained
+        model.set_attn_implementation(ATTN_DECODE_NAME)
+        self.decoding = session
+        try:
+            yield
+        finally:
+            self.decoding = self.step = None
+            model.set_attn_implementation(ATTN_NAME)
+
+    @contextlib.contextmanager
+    def stepping(self, step):
+        previous, self.step = self.step, step
+        try:
+            yield
+        finally:
+            self.step = previous
 
     @contextlib.contextmanager
     def handing(self, request: Request):

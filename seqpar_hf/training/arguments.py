@@ -12,6 +12,14 @@ from transformers import Seq2SeqTrainingArguments
 from ..parallel.layout import MODES, validate_sizes
 from ..parallel.process_group import DEFAULT_TIMEOUT
 
+GENERATE_CHOICES = ("auto", "always", "never")
+# sp_generate=auto: the source length from which generation runs under SP. Slicing the rows over the ranks
+# holds the same bytes per rank as SP when the batch has at least sp rows, moves nothing per step and
+# replicates no decoder work, so it is the default for the short sources of sentence-level batches; SP pays
+# for long sources (a few rows of thousands of tokens: the rows cannot be split evenly, one row's encoder
+# states and cross-attention K/V grow with it) -- see benchmarks/generation_memory.py.
+AUTO_MIN_TOKENS = 1024
+
 
 def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
@@ -57,7 +65,23 @@ class SequenceParallelFields:
 class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments):
     """`Seq2SeqTrainingArguments` plus the parallel layout (`--sp_size 2` on the command line)."""
 
+    sp_generate: str = field(default="auto", metadata={
+        "help": "predict_with_generate: always: every rank of an SP group generates the whole batch, sources sharded "
+                "along the sequence (model.generate under SP: 1/sp of the encoder states and cross-attention K/V, or "
+                "of the KV cache, per rank); never: each rank generates a slice of the batch's rows, whole; auto: SP "
+                "when the batch's sources have at least sp_generate_min_tokens tokens.",
+        "choices": list(GENERATE_CHOICES)})
+    sp_generate_min_tokens: int = field(default=AUTO_MIN_TOKENS, metadata={
+        "help": "sp_generate=auto generates under SP from this source (or prompt) length on (padded tokens)."})
+
     def __post_init__(self):
         self._post_init_layout()
         super().__post_init__()
         self._validate_layout()  # fail before any collective
+        if self.sp_generate not in GENERATE_CHOICES:
+            raise ValueError(f"sp_generate={self.sp_generate!r}: choose one of {', '.join(GENERATE_CHOICES)}")
+        if self.sp_generate == "always" and self.tp_size > 1:
+            raise ValueError("sp_generate='always' with tp_size > 1: generation under SP does not run on a tensor-"
+                             "parallel model; use 'auto' or 'never' (a plain copy with the full weights generates)")
+        if not isinstance(self.sp_generate_min_tokens, int) or self.sp_generate_min_tokens < 1:
+            raise ValueError(f"sp_generate_min_tokens must be a positive integer, got {self.sp_generate_min_tokens!r}")

@@ -1,6 +1,10 @@
-"""Generation in the Trainer (`predict_with_generate`): without SP, each rank of a group generates a
-slice of the group's batch and the slices are gathered in order, so every rank returns the whole
-batch's tokens."""
+"""Generation in the Trainer (`predict_with_generate`), two ways that return the whole batch's tokens on every
+rank of an SP group (`--sp_generate`):
+- under SP (`generate_under_sp`): every rank generates the whole batch, `model.generate` sharding the
+  sources along the sequence (seqpar_hf.models.generation);
+- in slices (`generate_in_slices`): each rank generates a slice of the batch's rows without SP, and the
+  slices are gathered in order.
+`auto` takes SP from `sp_generate_min_tokens` source tokens on (see training/arguments.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..models.patch import original_attn_implementation
+from ..models.patch import original_attn_implementation, sp_disabled
 from ..parallel.layout import ParallelLayout
 from . import fsdp
+
+
+def use_sp(layout: ParallelLayout, setting: str, min_tokens: int, inputs: dict) -> bool:
+    """Whether this batch generates under SP: the same answer on every rank of the group (same batch)."""
+    if setting == "never" or not layout.enabled or layout.sizes.tp_size > 1:
+        return False
+    source = inputs.get("input_ids")
+    return setting == "always" or (source is not None and source.shape[-1] >= min_tokens)
+
+
+def generate_under_sp(model, inputs: dict, gen_kwargs: dict, kwargs_fn=None) -> torch.Tensor:
+    """Tokens [rows, length] of the whole batch on every rank: `model.generate` under SP."""
+    if kwargs_fn is not None:
+        gen_kwargs = {**gen_kwargs, **kwargs_fn(inputs)}
+    with fsdp.full_parameters(model):  # collective: every rank; generation then gathers no weights
+        return model.generate(**inputs, **gen_kwargs)
 
 
 def generate_in_slices(model, layout: ParallelLayout, inputs: dict, gen_kwargs: dict, kwargs_fn=None,
@@ -29,7 +49,7 @@ def generate_in_slices(model, layout: ParallelLayout, inputs: dict, gen_kwargs: 
         # Under TP the norms are sharded along the sequence, which one decoding step (1 token) cannot
         # be: generate with a plain copy holding the full weights (collective: every rank, here)
         model = plain_copy(model)
-    with fsdp.full_parameters(model):  # collective: every rank, before the ranks' generations diverge
+    with fsdp.full_parameters(model), sp_disabled(model):  # full_parameters: collective, before generations diverge
         tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
     if sp == 1:
         return tokens

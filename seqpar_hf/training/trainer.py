@@ -26,7 +26,7 @@ from ..parallel.comm import group_size
 from ..parallel.layout import ParallelLayout
 from . import fsdp
 from .arguments import SequenceParallelArguments
-from .generation import generate_in_slices
+from .generation import generate_in_slices, generate_under_sp, use_sp
 from .replica import ReplicaMixin
 from .saving import SafeCheckpointMixin, agree, attempt
 from .sharded import ShardedModelMixin
@@ -65,9 +65,9 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
 
     Builds the `ParallelLayout` from `args` (or takes `layout=`), patches the model if needed, and
     adapts data loading, loss, evaluation gathering and throughput metrics to SP groups. Works for
-    causal LMs as well as encoder-decoder models. Generation (`predict_with_generate`) runs without
-    SP: each rank of a group generates a slice of the group's batch and the slices are gathered in
-    order.
+    causal LMs as well as encoder-decoder models. Generation (`predict_with_generate`, `--sp_generate`)
+    runs under SP (every rank the whole batch, sources sharded along the sequence) or in slices (each rank
+    some rows, without SP, gathered in order); `auto` picks SP for long sources.
 
     `eval_data_collator` collates evaluation and prediction batches (e.g. one sentence per row for
     generation while training on packed rows); `generation_kwargs_fn(inputs) -> dict` adds per-batch
@@ -164,8 +164,11 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
         gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
         generation_inputs = {k: v for k, v in inputs.items()
                              if k not in ("labels", "decoder_input_ids", "decoder_attention_mask")}
-        return generate_in_slices(self.accelerator.unwrap_model(self.model), self.layout, generation_inputs,
-                                  gen_kwargs, self.generation_kwargs_fn, self.args.device)
+        model = self.accelerator.unwrap_model(self.model)
+        if use_sp(self.layout, self.args.sp_generate, self.args.sp_generate_min_tokens, generation_inputs):
+            return generate_under_sp(model, generation_inputs, gen_kwargs, self.generation_kwargs_fn)
+        return generate_in_slices(model, self.layout, generation_inputs, gen_kwargs, self.generation_kwargs_fn,
+                                  self.args.device)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):

@@ -1,0 +1,130 @@
+"""What the attention of a patched model does while `generate` runs under SP (see `models.generation`).
+
+A `DecodeSession` lives for one `generate` call. Its sharded part (the encoder, or a decoder-only
+model's prompt) runs as an ordinary sharded forward; every later forward is a decoding step
+(`context.DecodeStep`): no sequence is sharded, the step's new tokens are replicated, and each kind of
+attention site does this:
+- cross-attention (decoder queries, encoder keys): the keys are this rank's shard of the encoder
+  states (its cross-attention cache holds [b, h, S/sp, d]); attend locally with the local source mask
+  and merge over the group (`attention.decode`);
+- decoder self-attention of an encoder-decoder model: the target is short and replicated, so the
+  model's ORIGINAL attention function runs, with the mask its ORIGINAL mask function builds (the masks
+  of a step are deferred, `DeferredMask`, and built only here);
+- self-attention of a decoder-only model: the keys are this rank's shard of the KV cache
+  (`sharded_cache`); attend locally (causal and window by global index) and merge over the group.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from .. import _compat
+from ..attention import decode
+from ..parallel.layout import ParallelLayout
+from ..parallel.sharding import ShardPlan
+from .context import CONTEXT_KWARG, DecodeStep, ForwardContext
+from .sharded_cache import SequenceShardedCache
+
+_MISSING = object()
+
+
+class DeferredMask:
+    """A mask transformers asked for while the decode implementation is selected: its arguments, built by
+    the original implementation's mask function only if an attention site needs it, once per forward
+    (every layer gets the same object)."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs, self.value = args, kwargs, _MISSING
+
+    def build(self, implementation: str):
+        if self.value is _MISSING:
+            self.value = ALL_MASK_ATTENTION_FUNCTIONS[implementation](*self.args, **self.kwargs)
+        return self.value
+
+
+class DecodeSession:
+    """One `generate` call under SP: the sequence-sharded KV cache (decoder-only) or the source's shard
+    plan (encoder-decoder), from which each decoding step's metadata is made."""
+
+    def __init__(self, layout: ParallelLayout, cache: SequenceShardedCache | None = None,
+                 source_plan: ShardPlan | None = None):
+        self.layout, self.cache, self.source_plan = layout, cache, source_plan
+        self._source = (None, None)  # (the full source mask it was made from, its local validity)
+
+    def prefill_pending(self) -> bool:
+        """A decoder-only model's next forward is the prompt's: run it sharded."""
+        return self.cache is not None and self.cache.get_seq_length() == 0
+
+    def begin_prefill(self, ctx: ForwardContext) -> None:
+        meta, plan = ctx.seqs["decoder"], ctx.plan("decoder")
+        device = ctx.positions["decoder"].device
+        valid = plan.shard(meta.valid) if meta.valid is not None else None  # [b, S_pad] -> [b, s_loc]
+        self.cache.begin_prefill(plan.global_index(device=device), valid, plan.length)
+
+    def end_prefill(self) -> None:
+        self.cache.end_prefill()
+
+    def step(self, kwargs: dict) -> DecodeStep:
+        """The metadata of a decoding step from the arguments of its backbone forward."""
+        if self.source_plan is None:
+            return DecodeStep(self.layout, cache=self.cache)
+        return DecodeStep(self.layout, source_valid=self._source_valid(kwargs))
+
+    def _source_valid(self, kwargs: dict) -> torch.Tensor | None:
+        """[b, S_pad / sp] validity of this rank's encoder positions (the source padding mask generate
+        passes at every step, beam-expanded, and the padding to a multiple of sp); made once per mask."""
+        mask = kwargs.get("attention_mask")
+        if mask is self._source[0] and self._source[0] is not None:
+            return self._source[1]
+        plan = self.source_plan
+        if mask is None:
+            if plan.padded == plan.length:
+                return None
+            mask = torch.ones(1, plan.length, dtype=torch.bool, device=kwargs["encoder_outputs"][0].device)
+        valid = plan.shard(plan.pad(mask.bool(), False))  # [b, S] -> [b, S_pad / sp]
+        self._source = (mask, valid)
+        return valid
+
+
+def deferred_mask(*args, **kwargs) -> DeferredMask:
+    """Mask function of the decode implementation (see `DeferredMask`)."""
+    return DeferredMask(args, kwargs)
+
+
+def attend(site, module, query, key, value, attention_mask, step: DecodeStep, dropout, scaling, is_causal,
+           sliding_window, kwargs):
+    """A decoding step's attention at `site`: query [b, h, s_q, d] (replicated), key/value what the module
+    took from its cache -> ([b, s_q, h, d], None), as transformers' attention functions return."""
+    state = site.state
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    group = step.layout.sp_group
+    if site.q_side == "decoder" and site.kv_side == "encoder":  # this rank's shard of the encoder states
+        allowed = None if step.source_valid is None else step.source_valid[:, None, None, :]  # [b, 1, 1, S/sp]
+        return decode.attention(query, key, value, allowed, scale, group).transpose(1, 2), None
+    if step.cache is None:  # an encoder-decoder model's decoder self-attention: replicated, the original one
+        implementation = state.attn_implementation
+        if isinstance(attention_mask, DeferredMask):
+            attention_mask = attention_mask.build(implementation)
+        extra = {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG}
+        if is_causal is not None:
+            extra["is_causal"] = is_causal
+        if sliding_window is not None:
+            extra["sliding_window"] = sliding_window
+        function = _compat.original_attention_function(module, implementation)
+        return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra)
+    layer = step.cache.layer(module.layer_idx)  # this rank's shard of the KV cache
+    layer.set_window(sliding_window)
+    out = decode.attention(query, key, value, layer.allowed(), scale, group)  # [b, h, s_q, d]
+    layer.evict()
+    return out.transpose(1, 2), None
+
+
+def after_prefill_attention(state, module, sliding_window) -> None:
+    """A sharded forward of a session with a KV cache is the prompt's: once a layer has attended, its
+    cache shard keeps only what later queries can see (a sliding window's last tokens)."""
+    session = state.decoding
+    if session is not None and session.cache is not None:
+        layer = session.cache.layer(module.layer_idx)
+        layer.set_window(sliding_window)
+        layer.evict(force=True)

@@ -1,0 +1,168 @@
+"""A KV cache that stays sharded along the sequence: each rank of the SP group holds every layer's keys
+and values of its slice of the prompt, plus its share of the generated tokens.
+
+It fits transformers' `Cache` API, so `generate` runs unchanged around it:
+- `get_seq_length()` is the GLOBAL length (prompt + generated tokens): generate and the mask helpers
+  derive positions and sizes from it;
+- every local key keeps its global sequence index and its validity per row (left padding, the padding
+  that makes the prompt divisible by sp), so attention needs no knowledge of who holds which token;
+  a zigzag (ring) prefill's non-contiguous keys are just other indices;
+- each new token's K/V is appended on exactly one rank, round robin by its index, so the shards stay
+  balanced (counting it on every rank would weigh it sp times in the merged softmax);
+- beam search reorders the batch dim of the local shard;
+- keys that no later query can see (outside every layer's sliding window) are dropped, so a windowed
+  model's cache stays bounded as unpatched transformers' sliding-window cache is.
+The attention over the shards is `seqpar_hf.attention.decode`; the prefill that fills them is the
+ordinary sharded forward (the attention module stores its local K/V here before attending).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+EVICT_EVERY = 64  # decoding steps between two evictions of out-of-window keys (each copies the layer's shard)
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One layer's local keys: keys/values [b, h_kv, n, d], index [n] global sequence index, valid [b, n]."""
+
+    is_sliding = False  # the window is applied by index in attention, not by the cache's shape
+    is_croppable = False
+
+    def __init__(self, sp_size: int, sp_rank: int):
+        super().__init__()
+        self.sp_size, self.sp_rank = sp_size, sp_rank
+        self.index = self.valid = None
+        self.seen = 0  # global tokens this layer has been given (prompt + generated)
+        self.query_index = None  # [s_q] global indices of the tokens of the last update (the step's queries)
+        self.window = None  # a sliding-window layer's size, as its attention call gives it
+        self.steps = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.is_initialized = key_states.device, True
+
+    def prefill(self, keys, values, index: torch.Tensor, valid: torch.Tensor | None, length: int):
+        """The prompt's local K/V (this rank's tokens, in local order) and their global indices / validity."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.index = keys, values, index
+        self.valid = valid.expand(keys.shape[0], -1) if valid is not None else None
+        self.seen = length
+        self.query_index = index
+        return keys, values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """A decoding step's new tokens [b, h_kv, s_q, d]: token t is kept on SP rank t % sp only."""
+        s_q = key_states.shape[2]
+        first = self.seen
+        self.query_index = torch.arange(first, first + s_q, device=key_states.device)
+        self.seen += s_q
+        self.steps += 1
+        mine = [i for i in range(s_q) if (first + i) % self.sp_size == self.sp_rank]
+        if mine:
+            if len(mine) < s_q:  # (a one-token step is kept whole or not at all)
+                pick = torch.tensor(mine, device=key_states.device)
+                key_states, value_states = key_states.index_select(2, pick), value_states.index_select(2, pick)
+            self.keys = torch.cat([self.keys, key_states], dim=2)  # [b, h_kv, n, d] -> [b, h_kv, n + k, d]
+            self.values = torch.cat([self.values, value_states], dim=2)
+            self.index = torch.cat([self.index, self.query_index[mine]])
+            if self.valid is not None:
+                self.valid = torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], len(mine))], dim=1)
+        return self.keys, self.values
+
+    def allowed(self) -> torch.Tensor | None:
+        """[b or 1, 1, s_q, n]: which local keys each of the last update's queries may see (causal, window,
+        validity), built per layer and step without a host sync; None when all of them (one query sees every
+        key before it: with no padding and no window, every key this rank holds)."""
+        if self.valid is None and self.window is None and self.query_index.numel() == 1:
+            return None
+        q, k = self.query_index[:, None], self.index[None, :]
+        mask = k <= q
+        if self.window is not None:
+            mask = mask & (q - k < self.window)
+        mask = mask[None, None]  # [1, 1, s_q, n]
+        if self.valid is not None:
+            mask = mask & self.valid[:, None, None, :]  # [b, 1, s_q, n]
+        return mask
+
+    def set_window(self, window: int | None) -> None:
+        """The layer's sliding window, as its attention module passes it (None: full attention)."""
+        self.window = None if window is None else int(window)
+
+    def evict(self, force: bool = False) -> None:
+        """Drop the keys that no later query can see: a query at index >= seen sees only keys with index
+        > seen - window. Every EVICT_EVERY steps (one copy of the shard), or now with `force` (after the
+        prefill, when most of a long prompt falls out of the window)."""
+        if self.window is None or self.keys is None or not (force or self.steps % EVICT_EVERY == 0):
+            return
+        keep = self.index > self.seen - self.window  # [n]
+        if not bool(keep.all()):
+            pick = keep.nonzero().flatten()
+            self.keys, self.values = self.keys.index_select(2, pick), self.values.index_select(2, pick)
+            self.index = self.index[pick]
+            if self.valid is not None:
+                self.valid = self.valid.index_select(1, pick)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.keys is not None:
+            self._rows(beam_idx.to(self.keys.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.keys is not None:
+            self._rows(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.keys is not None:
+            self._rows(torch.as_tensor(indices, device=self.keys.device))
+
+    def _rows(self, rows: torch.Tensor) -> None:
+        self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, rows)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a sequence-sharded KV cache cannot be cropped (its last tokens live on several "
+                                  "ranks); assisted decoding is not supported under sequence parallelism")
+
+    def local_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+
+class SequenceShardedCache(Cache):
+    """This rank's shard of a decoder-only model's KV cache (see the module docstring)."""
+
+    def __init__(self, sp_size: int, sp_rank: int):
+        super().__init__(layers=[])
+        self.sp_size, self.sp_rank = sp_size, sp_rank
+        self._prompt = None  # (index [n], valid [b or 1, n] | None, length) while the prefill runs
+
+    def begin_prefill(self, index: torch.Tensor, valid: torch.Tensor | None, length: int) -> None:
+        """The sharded prefill forward is about to run: its local tokens sit at these global indices."""
+        self._prompt = (index, valid, length)
+
+    def end_prefill(self) -> None:
+        self._prompt = None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(ShardedLayer(self.sp_size, self.sp_rank))
+        layer = self.layers[layer_idx]
+        if self._prompt is not None and layer.keys is None:
+            return layer.prefill(key_states, value_states, *self._prompt)
+        return layer.update(key_states, value_states)
+
+    def layer(self, layer_idx: int) -> ShardedLayer:
+        return self.layers[layer_idx]
+
+    def local_bytes(self) -> int:
+        """Bytes of K/V this rank holds (the shard)."""
+        return sum(layer.local_bytes() for layer in self.layers)

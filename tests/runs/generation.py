@@ -1,0 +1,206 @@
+"""In-rank bodies of tests/test_generation_gloo.py: `model.generate` under SP (every rank the same, full
+batch) against the unpatched model in the same process; refusals; the Trainer's `--sp_generate`.
+Run inside the `parity` process groups (tests/worlds.py). fp32, tiny models, a few new tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import seqpar_hf
+
+from ..helpers.models import SEQ2SEQ, VOCAB, build_model, relative_error
+
+# (prompt lengths of the rows, left-padded to the longest) and (source lengths, right-padded): different
+# lengths per row, none divisible by 2 or 4
+PROMPT_LENGTHS = (11, 7, 4)
+SOURCE_LENGTHS = (13, 2, 9)
+
+
+def inputs_for(family: str, seed: int, rank_offset: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed + rank_offset)
+    lengths = SOURCE_LENGTHS if family in SEQ2SEQ else PROMPT_LENGTHS
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if family in SEQ2SEQ:
+            mask[row, :n] = 1  # sources: right padding
+        else:
+            mask[row, width - n:] = 1  # prompts: left padding, as generate wants
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def _finite_error(got: tuple, want: tuple) -> float:
+    """Worst relative error over steps, on the entries that are finite in the reference (processors set -inf)."""
+    worst = 0.0
+    for a, b in zip(got, want):
+        keep = torch.isfinite(b)
+        if not torch.equal(keep, torch.isfinite(a)):
+            return float("inf")
+        worst = max(worst, relative_error(a[keep], b[keep]))
+    return worst
+
+
+def run_case(case: dict) -> dict:
+    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
+                                      ring_size=case.get("ring_size"))
+    family = case["family"]
+    # the tiny encoder-decoders' default init (std 0.02) decodes the same tokens for every source
+    lively = dict(init_std=0.3) if family in SEQ2SEQ else {}
+    model = build_model(family, **lively, **case.get("model", {})).eval()
+    reference = copy.deepcopy(model)
+    seqpar_hf.patch_model(model, layout)
+    inputs = inputs_for(family, seed=case.get("seed", 7))
+    kwargs = dict(max_new_tokens=case.get("new", 5), min_new_tokens=case.get("new", 5), num_beams=case.get("beams", 1),
+                  do_sample=case.get("sample", False), return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    torch.manual_seed(11)  # sampling: the same seed on every rank, and for the reference
+    out = model.generate(**inputs, **kwargs)
+    torch.manual_seed(11)
+    want = reference.generate(**inputs, **kwargs)
+    tokens = [None] * layout.sp_size
+    dist.all_gather_object(tokens, out.sequences.tolist(), group=layout.sp_group)
+    result = {"name": case["name"], "rank": layout.rank, "tokens_equal": torch.equal(out.sequences, want.sequences),
+              "same_on_every_rank": all(t == tokens[0] for t in tokens),
+              "scores_err": _finite_error(out.scores, want.scores),
+              "logits_err": _finite_error(out.logits, want.logits), "length": out.sequences.shape[1]}
+    if case.get("beams", 1) > 1:
+        result["sequence_scores_err"] = relative_error(out.sequences_scores, want.sequences_scores)
+    windowed = "sliding_window" in case.get("model", {})
+    if family not in SEQ2SEQ and not windowed:  # the cache stays sharded: this rank's keys are about 1/sp of them
+        result["cache_keys"] = sum(layer.keys.shape[2] for layer in out.cache.layers)
+        result["reference_keys"] = sum(layer.keys.shape[2] for layer in want.cache.layers)
+    elif family in SEQ2SEQ:
+        result["cross_keys"] = out.cache.cross_attention_cache.layers[0].keys.shape[2]
+        result["reference_cross_keys"] = want.cache.cross_attention_cache.layers[0].keys.shape[2]
+    return result
+
+
+def _cases(world: int) -> list[dict]:
+    window = dict(sliding_window=3)  # smaller than every prompt's padded length (11)
+    qwen_window = dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    if world == 2:
+        base = dict(sp=2)
+        return [
+            dict(base, name="ulysses-marian-greedy", family="marian"),
+            dict(base, name="ulysses-marian-beam4", family="marian", beams=4),
+            dict(base, name="ring-marian-beam4", family="marian", mode="ring", beams=4),
+            dict(base, name="ring-bart-greedy", family="bart", mode="ring"),
+            dict(base, name="ulysses-bart-beam4", family="bart", beams=4),
+            dict(base, name="ulysses-m2m100-beam4", family="m2m100", beams=4),
+            dict(base, name="ulysses-mbart-greedy", family="mbart"),
+            dict(base, name="ring-pegasus-beam4", family="pegasus", mode="ring", beams=4),
+            dict(base, name="ulysses-marian-sample", family="marian", sample=True),
+            dict(base, name="ulysses-llama-greedy", family="llama"),
+            dict(base, name="ulysses-llama-beam4", family="llama", beams=4),
+            dict(base, name="ring-llama-beam4", family="llama", mode="ring", beams=4),
+            dict(base, name="ulysses-llama-sample", family="llama", sample=True),
+            dict(base, name="ring-qwen2-window-greedy", family="qwen2", mode="ring", model=qwen_window),
+            dict(base, name="ulysses-mistral-window-beam4", family="mistral", model=window, beams=4),
+            # past the periodic eviction of out-of-window keys (every 64 steps)
+            dict(base, name="ring-mistral-window-70-tokens", family="mistral", mode="ring", model=window, new=70),
+        ]
+    base = dict(sp=4)
+    return [
+        dict(base, name="sp4-ulysses-marian-beam4", family="marian", beams=4),
+        dict(base, name="sp4-hybrid-marian-greedy", family="marian", mode="hybrid", ring_size=2),
+        dict(base, name="sp4-ring-bart-beam4", family="bart", mode="ring", beams=4),
+        dict(base, name="sp4-hybrid-m2m100-greedy", family="m2m100", mode="hybrid", ring_size=2),
+        dict(base, name="sp4-ring-m2m100-greedy", family="m2m100", mode="ring"),
+        dict(base, name="sp4-ulysses-llama-greedy", family="llama"),
+        dict(base, name="sp4-hybrid-llama-beam4", family="llama", mode="hybrid", ring_size=2, beams=4),
+        dict(base, name="sp4-ring-qwen2-beam4", family="qwen2", mode="ring", beams=4),
+        dict(base, name="sp4-hybrid-qwen2-window-sample", family="qwen2", mode="hybrid", ring_size=2,
+             model=qwen_window, sample=True),
+        dict(base, name="sp4-ulysses-mistral-window-greedy", family="mistral", model=window),
+        dict(base, name="sp4-ring-mistral-window-beam4", family="mistral", mode="ring", model=window, beams=4),
+        dict(base, name="sp4-hybrid-gemma3-sliding-and-global-beam4", family="gemma3", mode="hybrid", ring_size=2,
+             beams=4),
+        dict(base, name="sp4-ring-mixtral-moe-greedy", family="mixtral", mode="ring"),
+    ]
+
+
+CASES = {2: _cases(2), 4: _cases(4)}
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def refusals() -> dict:
+    """What generate under SP refuses, and how ranks that disagree are caught (every rank raises)."""
+    layout = seqpar_hf.ParallelLayout(sp_size=2)
+    rank = layout.sp_rank
+    model = seqpar_hf.patch_model(build_model("llama").eval(), layout)
+    marian = seqpar_hf.patch_model(build_model("marian").eval(), layout)
+    inputs = inputs_for("llama", seed=3)
+    gen = dict(max_new_tokens=3, do_sample=False)
+    out = {
+        "prompt_lookup": _message(lambda: model.generate(**inputs, **gen, prompt_lookup_num_tokens=2)),
+        "static_cache": _message(lambda: model.generate(**inputs, **gen, cache_implementation="static")),
+        "output_attentions": _message(lambda: model.generate(**inputs, **gen, output_attentions=True,
+                                                             return_dict_in_generate=True)),
+        "no_cache": _message(lambda: model.generate(**inputs, **gen, use_cache=False)),
+        "inputs_embeds": _message(lambda: model.generate(
+            inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]), attention_mask=inputs["attention_mask"],
+            **gen)),
+        "position_ids": _message(lambda: model.generate(**inputs, **gen, position_ids=torch.arange(11)[None])),
+        "encoder_outputs": _message(lambda: marian.generate(**inputs_for("marian", 3), **gen,
+                                                            encoder_outputs=(torch.zeros(3, 13, 24),))),
+        "different_inputs": _message(lambda: model.generate(**inputs_for("llama", seed=3, rank_offset=rank), **gen)),
+        "different_settings": _message(lambda: marian.generate(**inputs_for("marian", 3), max_new_tokens=3 + rank)),
+        "one_rank_refuses": _message(lambda: model.generate(**inputs, **gen, output_attentions=rank == 0,
+                                                            return_dict_in_generate=True)),
+    }
+    torch.manual_seed(rank)  # sampling needs the same generator state on every rank
+    out["different_seeds"] = _message(lambda: model.generate(**inputs, max_new_tokens=3, do_sample=True))
+    model.train()
+    out["training"] = _message(lambda: model.generate(**inputs, **gen))
+    model.eval()
+    # the per-rank path: each rank its own inputs, without SP, as the unpatched model
+    mine = inputs_for("llama", seed=3, rank_offset=rank)
+    plain = copy.deepcopy(model)
+    seqpar_hf.unpatch_model(plain)
+    with seqpar_hf.sp_disabled(model):
+        out["sp_disabled_equal"] = torch.equal(model.generate(**mine, **gen), plain.generate(**mine, **gen))
+    out["after_errors"] = torch.equal(model.generate(**inputs, **gen), plain.generate(**inputs, **gen))
+    return out
+
+
+def trainer_checks() -> dict:
+    """predict_with_generate with --sp_generate always and never: greedy equals one process row by row, and
+    beam search gives the same tokens both ways."""
+    from .trainer import collate, make_trainer
+
+    result = {}
+    reference = build_model("marian", heads=4, init_std=0.3).eval()  # the default init decodes one token for all
+    for setting in ("always", "never"):
+        trainer, _ = make_trainer(sp=2, batch=4, eval_size=7, extra=dict(sp_generate=setting))
+        trainer.model.load_state_dict(reference.state_dict())
+        trainer.args.predict_with_generate = True
+        generated = trainer.predict(trainer.eval_dataset, max_new_tokens=5).predictions
+        mismatches = 0
+        for i in range(len(trainer.eval_dataset)):
+            single = collate([trainer.eval_dataset[i]])
+            expected = reference.generate(input_ids=single["input_ids"], attention_mask=single["attention_mask"],
+                                          max_new_tokens=5, do_sample=False)[0].tolist()
+            got = [t for t in generated[i].tolist() if t >= 0]
+            mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
+        beams = trainer.predict(trainer.eval_dataset, max_new_tokens=5, num_beams=2).predictions
+        result[setting] = {"rows": len(generated), "mismatches": mismatches, "beam_tokens": beams.tolist()}
+    return result
+
+
+def all_checks(world: int) -> dict:
+    out = {"cases": [run_case(c) for c in CASES[world]]}
+    if world == 2:
+        out["refusals"] = refusals()
+        out["trainer"] = trainer_checks()
+    return out

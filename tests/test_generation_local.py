@@ -1,0 +1,98 @@
+"""Tier 1 (no process group): the pieces of generation under SP. The decode-step attention over keys split
+into shards and merged by log-sum-exp equals one softmax over all of them; the sequence-sharded cache keeps
+global indices, appends round robin, evicts what a sliding window can no longer see and reorders beams;
+the Trainer's --sp_generate choice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqpar_hf.attention import decode, kernels
+from seqpar_hf.models.sharded_cache import SequenceShardedCache
+from seqpar_hf.training.generation import use_sp
+
+from .helpers.models import relative_error
+
+
+def _merged(q, k, v, allowed, shards):
+    """Attention over `shards` key blocks merged in order, as merge_over_group does across ranks."""
+    out = lse = None
+    for cols in shards:
+        o, s = decode.local_attention(q, k[:, :, cols], v[:, :, cols], None if allowed is None else allowed[..., cols],
+                                      q.shape[-1] ** -0.5)
+        out, lse = (o, s) if out is None else kernels.merge(out, lse, o, s)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_sharded_keys_merged_by_lse_equal_one_softmax(heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    b, s_q, n, d = 3, 2, 13, 8
+    q, k, v = torch.randn(b, heads, s_q, d, generator=g), torch.randn(b, kv_heads, n, d, generator=g), \
+        torch.randn(b, kv_heads, n, d, generator=g)
+    allowed = torch.rand(b, 1, s_q, n, generator=g) > 0.3
+    allowed[1, :, :, :7] = False  # row 1: the first shards see no key of it
+    allowed[:, :, :, 0] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    shards = [slice(0, 4), slice(4, 7), slice(7, 13)]  # uneven shards, one all-masked for row 1
+    assert relative_error(_merged(q, k, v, allowed, shards), want) < 1e-6
+    assert relative_error(decode.attention(q, k, v, allowed, d ** -0.5, None), want) < 1e-6  # a group of one
+
+
+def test_sharded_cache_indices_round_robin_eviction_and_beams():
+    cache = SequenceShardedCache(sp_size=2, sp_rank=1)
+    b, h, d = 2, 1, 4
+    prompt_index = torch.tensor([3, 4, 5])  # this rank's slice of a 6-token prompt
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    cache.begin_prefill(prompt_index, valid, length=6)
+    k = torch.arange(b * 3, dtype=torch.float).view(b, h, 3, 1).expand(b, h, 3, d)
+    cache.update(k, k, layer_idx=0)
+    cache.end_prefill()
+    assert cache.get_seq_length() == 6
+    for step in range(4):  # tokens 6, 7, 8, 9: rank 1 keeps 7 and 9
+        new = torch.full((b, h, 1, d), 100.0 + step)
+        cache.update(new, new, layer_idx=0)
+    layer = cache.layer(0)
+    assert cache.get_seq_length() == 10 and layer.index.tolist() == [3, 4, 5, 7, 9]
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 101, 103]
+    allowed = layer.allowed()  # the last query (index 9): every valid local key
+    assert allowed.shape == (b, 1, 1, 5) and allowed[0, 0, 0].tolist() == [False, True, True, True, True]
+    layer.set_window(3)  # a query at 9 sees 7, 8, 9
+    assert layer.allowed()[1, 0, 0].tolist() == [False, False, False, True, True]
+    layer.evict(force=True)  # later queries (>= 10) see keys > 7 only
+    assert layer.index.tolist() == [9] and layer.valid.shape == (b, 1)
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert layer.keys.shape == (b, h, 1, d) and torch.equal(layer.keys[0], layer.keys[1])
+
+
+def test_sp_generate_choice():
+    layout = SimpleNamespace(enabled=True, sizes=SimpleNamespace(tp_size=1))
+    short, long = {"input_ids": torch.zeros(2, 10)}, {"input_ids": torch.zeros(2, 2048)}
+    assert use_sp(layout, "always", 1024, short) and not use_sp(layout, "never", 1024, long)
+    assert use_sp(layout, "auto", 1024, long) and not use_sp(layout, "auto", 1024, short)
+    assert not use_sp(SimpleNamespace(enabled=False, sizes=layout.sizes), "always", 1024, long)  # sp_size 1
+    assert not use_sp(SimpleNamespace(enabled=True, sizes=SimpleNamespace(tp_size=2)), "auto", 1024, long)
+
+
+def test_sp_generate_argument_is_validated(tmp_path):
+    from seqpar_hf import SequenceParallelArguments
+
+    with pytest.raises(ValueError, match="sp_generate='sometimes': choose one of auto, always, never"):
+        SequenceParallelArguments(output_dir=str(tmp_path), sp_generate="sometimes", use_cpu=True, report_to=[])
+
+
+def test_generate_on_a_tensor_parallel_sp_layout_is_refused():
+    from seqpar_hf.models.generation import GenerateSP
+
+    layout = SimpleNamespace(enabled=True, sizes=SimpleNamespace(tp_size=2))
+    state = SimpleNamespace(detached=False, decoding=None, plain_depth=0, layout=layout)
+
+    def original(input_ids=None):  # never reached
+        raise AssertionError
+
+    with pytest.raises(NotImplementedError, match="tensor-parallel model.*plain_copy"):
+        GenerateSP(state, original)(input_ids=torch.ones(1, 3))
