@@ -16,7 +16,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 CURVES = (("reward", "reward (sum)"), ("rewards/first_sentence/mean", "first_sentence (F1)"),
-          ("rewards/from_prompt/mean", "from_prompt"))
+          ("rewards/first_words/mean", "first_words (prefix)"))
 
 
 def load(run_dir: Path) -> list[dict]:
