@@ -187,8 +187,9 @@ def warm_up(model, train: Dataset, held_out: Dataset, tokenizer, args: GRPOArgum
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     evals = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r]
-    logger.info("supervised warm-up: %d steps, loss %.3f -> %.3f, held-out loss %s", trainer.state.global_step,
-                losses[0], losses[-1], f"{evals[-1]:.3f}" if evals else "-")
+    logger.info("supervised warm-up: %d steps, loss %s, held-out loss %s", trainer.state.global_step,
+                " -> ".join(f"{x:.3f}" for x in losses[:1] + losses[-1:]) or "-",
+                f"{evals[-1]:.3f}" if evals else "-")
     return trainer.layout
 
 
@@ -246,8 +247,8 @@ def main(argv=None):
 
     layout = warm_up(model, train, held_out, tokenizer, args, recipe.sft_minutes) if recipe.sft_minutes > 0 else None
     trainer = SequenceParallelGRPOTrainer(
-        model=model, layout=layout, reward_funcs=make_rewards(tokenizer), args=args, train_dataset=train, eval_dataset=held_out,
-        processing_class=tokenizer,
+        model=model, layout=layout, reward_funcs=make_rewards(tokenizer), args=args, train_dataset=train,
+        eval_dataset=held_out, processing_class=tokenizer,
         callbacks=[TimeBudgetCallback(recipe.max_train_minutes), JsonlLog(Path(args.output_dir) / "log.jsonl")])
     logger.info("%s", trainer.layout)
     trainer.train()

@@ -53,8 +53,9 @@ class Recorder(TrainerCallback):
         self.logs = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append({"step": state.global_step, **{k: v for k, v in (logs or {}).items()
-                                                        if isinstance(v, (int, float)) and not any(s in k for s in SKIPPED)}})
+        kept = {k: v for k, v in (logs or {}).items()
+                if isinstance(v, (int, float)) and not any(s in k for s in SKIPPED)}
+        self.logs.append({"step": state.global_step, **kept})
 
 
 def fixed_generate(trainer, offset, counts: list):
@@ -188,7 +189,8 @@ CASES = {
     "grpo-separate-reference": (dict(**GRPO, ref="separate"), dict(**GRPO)),
     "grpo-reference-loaded-by-trl": (dict(**GRPO, ref="path"), dict(**GRPO)),
     "grpo-ring": (dict(**GRPO, mode="ring"), dict(**GRPO)),
-    "grpo-peft-checkpointing": (dict(**GRPO, peft=True, checkpointing=True), dict(**GRPO, peft=True, checkpointing=True)),
+    "grpo-peft-checkpointing": (dict(**GRPO, peft=True, checkpointing=True),
+                                dict(**GRPO, peft=True, checkpointing=True)),
     "grpo-accumulation": (dict(**GRPO, batch=2, accumulation=2), dict(**GRPO, batch=2, accumulation=2)),
     **{f"grpo-{loss}-two-iterations": (dict(extra=dict(beta=0.04, loss_type=loss, num_iterations=2, **kw)),
                                        dict(extra=dict(beta=0.04, loss_type=loss, num_iterations=2, **kw)))
