@@ -13,8 +13,10 @@ fixture (conftest.py) and asserted by the test modules named here:
 | `packing`         | 2, 4    | packed-row cases                                             | test_packing_gloo                    |
 | `tensor_parallel` | 2, 4    | TP (+ SP, DP) cases; at 2 also the TP refusals               | test_tp_gloo                         |
 | `trainer`         | 2, 4    | Trainer runs; at 2 resume and TP generation; at 4 data /     | test_trainer_gloo, test_fsdp_gloo    |
-|                   |         | prediction checks and the FSDP2 plain loops                  |                                      |
-| `trl`             | 2       | TRL SFT / DPO runs, PEFT checks                              | test_trl_gloo, test_peft_gloo        |
+|                   |         | prediction checks, the FSDP2 plain loops, GRPO / RLOO at     | test_trl_rl_gloo                     |
+|                   |         | sp=2 x dp=2                                                  |                                      |
+| `trl`             | 2       | TRL SFT / DPO runs, PEFT checks, GRPO / RLOO runs (sp=2)     | test_trl_gloo, test_peft_gloo,       |
+|                   |         |                                                              | test_trl_rl_gloo                     |
 
 One-process references (the plain Trainer, TRL trainer, a plain evaluation) are spawned by the test
 modules themselves: they run without a process group, in a fresh process so that no state leaks.
@@ -69,16 +71,26 @@ def trainer(resume_dir: str) -> dict:
         out["checks"] = {drop: runs.data_and_prediction_checks(drop) for drop in (False, True)}
         out["checks"]["fsdp"] = runs.data_and_prediction_checks(False, fsdp=True)
         out["loops"] = fsdp.run_loops(fsdp.LOOPS)
+        if _has_trl():
+            from .runs import rl_trainers as rl
+            out["rl"] = rl.run_many([dict(sp=2, **rl.CASES_4[n][0]) for n in rl.CASES_4])
     return out
 
 
+def _has_trl() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in ("trl", "peft"))
+
+
 def trl() -> dict:
-    from .runs import lora, trl_trainers as runs
-    return {"peft": lora.all_checks(), "trl": runs.run_many([dict(sp=2, **runs.CASES[n][0]) for n in runs.CASES])}
+    from .runs import lora, rl_trainers as rl, trl_trainers as runs
+    return {"peft": lora.all_checks(), "trl": runs.run_many([dict(sp=2, **runs.CASES[n][0]) for n in runs.CASES]),
+            "rl": rl.run_many([dict(sp=2, **rl.CASES[n][0]) for n in rl.CASES]),
+            "rl_generation": rl.run_many([dict(sp=2, **rl.GENERATION[n][0]) for n in rl.GENERATION])}
 
 
 GROUPS = {"misc": (misc, 240), "parity": (parity, 480), "packing": (packing, 480),
-          "tensor_parallel": (tensor_parallel, 480), "trainer": (trainer, 540), "trl": (trl, 600)}
+          "tensor_parallel": (tensor_parallel, 480), "trainer": (trainer, 720), "trl": (trl, 900)}
 
 
 def run(group: str, world: int, *args) -> list:

@@ -35,6 +35,20 @@ def prepare_replica_data_loader(accelerator, layout: ParallelLayout, data_loader
     return prepared
 
 
+def one_per_replica(gathered, layout: ParallelLayout):
+    """Of tensors gathered over the world (rank-major, the ranks of a replica holding the same values),
+    the blocks of the first rank of each replica: what a gather over the data-parallel replicas gives."""
+    world, replica = layout.world_size, layout.replica_size
+
+    def first_ranks(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        blocks = t.reshape(world, -1, *t.shape[1:])  # [world * n, ...] -> [world, n, ...], rank-major
+        return blocks[::replica].reshape(-1, *t.shape[1:])  # -> [dp * n, ...]
+
+    return recursively_apply(first_ranks, gathered) if replica > 1 else gathered
+
+
 class ReplicaMixin:
     """The data, metric and evaluation-speed parts of `SequenceParallelMixin`."""
 
@@ -103,16 +117,7 @@ class ReplicaMixin:
     def _gather_replicas(self, data):
         """gather_for_metrics over data-parallel replicas: all-gather over the world, keep one rank per
         replica, then drop the repeated examples of the last batch."""
-        gathered = self.accelerator.gather(data)
-        world, replica = self.layout.world_size, self.layout.replica_size
-
-        def one_per_replica(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            blocks = t.reshape(world, -1, *t.shape[1:])  # rank-major blocks
-            return blocks[::replica].reshape(-1, *t.shape[1:])
-
-        data = recursively_apply(one_per_replica, gathered) if replica > 1 else gathered
+        data = one_per_replica(self.accelerator.gather(data), self.layout)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             data = recursively_apply(lambda t: t[:state.remainder], data)

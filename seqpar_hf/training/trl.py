@@ -80,3 +80,12 @@ class SequenceParallelDPOTrainer(_TRLSequenceParallel, DPOTrainer):
         self._setup_layout(model, args, layout)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
         self._finish_setup()
+
+
+# GRPO and RLOO live in their own module (generation and scoring per rank); importable from here too
+from .trl_rl import (SequenceParallelGRPOConfig, SequenceParallelGRPOTrainer,  # noqa: E402
+                     SequenceParallelRLOOConfig, SequenceParallelRLOOTrainer)
+
+__all__ = ["SequenceParallelSFTConfig", "SequenceParallelSFTTrainer", "SequenceParallelDPOConfig",
+           "SequenceParallelDPOTrainer", "SequenceParallelGRPOConfig", "SequenceParallelGRPOTrainer",
+           "SequenceParallelRLOOConfig", "SequenceParallelRLOOTrainer"]
