@@ -190,21 +190,23 @@ def plan_tasks(classes: list[tuple[str, str, str]], layouts=LAYOUTS) -> list[tup
     from transformers import CONFIG_MAPPING
 
     from .overrides import UNBUILDABLE
+    from .tiny import base_type
     tasks = []
     for model_type, class_name, _ in classes:
-        if model_type in UNBUILDABLE:  # known not to build: one row, no layout
+        if base_type(model_type) in UNBUILDABLE:  # known not to build: one row, no layout
             tasks.append((model_type, class_name, "-"))
             continue
         for layout in layouts:
             if layout == "tp2":
                 model_class = getattr(transformers, class_name, None)
-                config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[model_type]
+                config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[base_type(model_type)]
                 try:
-                    config_class = config_class if isinstance(config_class, type) else CONFIG_MAPPING[model_type]
+                    config_class = config_class if isinstance(config_class, type) else \
+                        CONFIG_MAPPING[base_type(model_type)]
                     plan = getattr(config_class, "base_model_tp_plan", None)
                     text = getattr(config_class, "sub_configs", None) or {}
                     plan = plan or getattr(text.get("text_config"), "base_model_tp_plan", None)
-                    seq2seq = model_type in _seq2seq_types()
+                    seq2seq = base_type(model_type) in _seq2seq_types()
                 except Exception:  # noqa: BLE001
                     plan, seq2seq = None, False
                 if not plan and not seq2seq:
@@ -300,7 +302,9 @@ def main(argv=None) -> int:
         write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))
         return 0
     if args.classes:
-        classes = [c for c in classes if c[0] in args.classes or c[1] in args.classes]
+        from .tiny import base_type
+        variants = [(v, cls, m) for v in args.classes if ":" in v for mt, cls, m in classes if mt == base_type(v)]
+        classes = [c for c in classes if c[0] in args.classes or c[1] in args.classes] + variants
     seen, unique = set(), []
     for c in classes:  # a model type in both mappings with the same class is one entry
         if (c[0], c[1]) not in seen:

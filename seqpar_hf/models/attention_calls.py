@@ -22,16 +22,21 @@ HONOURED = ("dropout", "scaling")
 SUPERSEDED = ("is_causal", "sliding_window")  # the pattern proven at patch time decides
 CARRIED = ("position_ids", "cache_position", "output_attentions", "output_hidden_states", "use_cache", "return_dict",
            "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "layer_idx", "past_key_values",
-           "past_key_value", "cache", CONTEXT_KWARG)
+           "past_key_value", "cache", "labels", CONTEXT_KWARG)  # labels: only the dry run passes them this far
 WHY = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks",
        "position_bias": "an additive bias over the whole query-key matrix",
        "indices": "a sparse selection of keys made over the whole sequence",
        "block_indices": "a sparse selection of key blocks made over the whole sequence"}
 
 
+def _neutral(value) -> bool:
+    """None, False, 0: what an implementation reads as "off" (softcap=0.0, logits_to_keep=0)."""
+    return value is None or (isinstance(value, (bool, int, float)) and not value)
+
+
 def unsupported(kwargs: dict) -> list[str]:
     """Keywords an attention call passes with a value the sharded attention would drop."""
-    return [k for k, v in kwargs.items() if k not in HONOURED + SUPERSEDED + CARRIED and v is not None and v is not False]
+    return [k for k, v in kwargs.items() if k not in HONOURED + SUPERSEDED + CARRIED and not _neutral(v)]
 
 
 def keyword_why(names: list[str]) -> str:
@@ -47,6 +52,13 @@ def _flash(original: str | None) -> bool:
     return bool(original) and "flash" in original
 
 
+def _flag(call: dict) -> bool:
+    """The causal flag SDPA reads when it gets no mask: the call's is_causal, else the module's, else True."""
+    causal = call["kwargs"].get("is_causal")
+    causal = call["is_causal_attr"] if causal is None else causal
+    return bool(True if causal is None else causal)
+
+
 def call_pattern(call: dict, original: str | None, valid: dict) -> tuple | None:
     """(causal, window) this call computes in the unpatched model, or None for an unsupported pattern.
     `valid`: side -> [b, s] real tokens of the dry run's batch."""
@@ -57,15 +69,20 @@ def call_pattern(call: dict, original: str | None, valid: dict) -> tuple | None:
         window = kw.get("sliding_window")
         return bool(True if causal is None else causal), (int(window) if window is not None and window > 0 else None)
     if call["given"]:  # a mask made through the mask interface: its function's pattern, read exactly
-        return call["pattern"]
+        pattern = call["pattern"]
+        if pattern is not None and original in ("sdpa", None) and pattern[0] != _flag(call):
+            # SDPA drops a mask it can replace by its own flag (no padding), and the flag says otherwise
+            raise Refusal(call["module"], f"says is_causal={_flag(call)} but is given a {describe(pattern)} mask: "
+                          "the unpatched model (SDPA) attends by the mask when the batch has padding and by the flag "
+                          "when it has none", "Make the module's is_causal agree with its mask (or load the model "
+                                              "with attn_implementation='eager')")
+        return pattern
     mask = call["mask"]
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a mask the model built itself: read the tensor
         rows, keys = valid[call["q_side"]], valid[call["kv_side"]]
         return read_tensor(mask.cpu(), keys.cpu(), rows.cpu())
     if original == "sdpa" or original is None:  # no mask: SDPA's own rule
-        causal = kw.get("is_causal")
-        causal = call["is_causal_attr"] if causal is None else causal
-        return bool(True if causal is None else causal) and call["q"][2] > 1, None
+        return _flag(call) and call["q"][2] > 1, None
     return False, None  # eager without a mask attends to every key
 
 

@@ -69,8 +69,8 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
                          "tiled_loss='auto' (off under TP) or False")
     _check_tiled_head(family, tiled_loss)
     if tp > 1:
-        tp_checks.check(family, layout)
         tensor_parallel.check(family, layout)
+        tp_checks.check(family, layout)
     for site in family.attention:  # refuse head counts Ulysses cannot split (TP's share), before any forward
         split_heads(site.heads // tp, site.kv_heads // tp, layout.ulysses_size)
     register()

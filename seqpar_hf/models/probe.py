@@ -60,8 +60,7 @@ def _sim_layout(rank: int, ring: bool) -> _Layout:
 
 def _token_ids(model, config, length: int, seed: int) -> torch.Tensor:
     """[BATCH, length] ordinary token ids: none of the config's special or modality ids."""
-    vocab = model.get_input_embeddings().num_embeddings if model.get_input_embeddings() is not None else \
-        config.get_text_config().vocab_size
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config.get_text_config().vocab_size
     special = set()
     for c in _all_configs(config):
         for key, value in c.__dict__.items():
@@ -154,7 +153,7 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
         exc, stack = error
         raise Refusal(stack[-1] if stack else "", "fails in a plain forward on a tiny batch (the dry run): "
                       f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
-                      "this model cannot be checked, so it is not patched")
+                      "This model cannot be checked, so it is not patched")
     sequence = [c for c in run.attention if c["q_side"] is not None]
     backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
     backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
@@ -182,14 +181,16 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
     if len(with_attention) > 1:
         listed = ", ".join(f"{n} ({type(pretrained.get_submodule(n)).__name__})" for n in with_attention)
         raise Refusal("", f"runs attention in several modules it calls itself ({listed}), not inside one "
-                      "backbone", "seqpar_hf shards the sequence in one backbone forward; use a model whose forward "
+                      "backbone", "seqpar_hf shards the sequence in one backbone forward: use a model whose forward "
                       "runs one backbone (e.g. the decoder's own *ForCausalLM)")
-    guess_name = names.get(guess)
-    for t in top:  # no attention through the interface: the structural backbone, if the forward calls it
-        if t[0] == guess_name:
+    # no attention through the interface: the module the forward calls that embeds the tokens (the shard
+    # runs then name what mixes them)
+    embeddings = pretrained.get_input_embeddings()
+    for t in top:
+        if t[0] and any(m is embeddings for m in pretrained.get_submodule(t[0]).modules()):
             return t[0], t
-    raise Refusal("", f"its forward does not call its backbone ({type(guess).__name__}) directly",
-                  "patch the backbone module the forward calls")
+    raise Refusal("", "calls no module that embeds its tokens and attends through transformers' AttentionInterface",
+                  "Use a model whose attention does")
 
 
 def shard_check(pretrained, observed: Observed, kind: str, family_positions: list, pad_id: int, ring: bool,
@@ -211,7 +212,8 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
                                          True, log_ops=False)
             full_calls = recorder.calls
             if error is not None:
-                raise Refusal(error[1][-1] if error[1] else "", f"fails in a training-mode forward on a tiny batch: "
+                raise Refusal(_path(prefix, error[1][-1] if error[1] else ""), "fails in a training-mode forward on a "
+                              "tiny batch: "
                               f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}", "")
         else:
             full_calls = {(n[len(prefix) + 1:] if prefix and n.startswith(prefix + ".") else ("" if n == prefix else
@@ -233,17 +235,22 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
                 for h in hooks:
                     h.remove()
             if error is not None:
-                where = error[1][-1] if error[1] else ""
+                where = _path(prefix, error[1][-1] if error[1] else "")
                 raise Refusal(where, f"fails on a shard of the sequence ({type(error[0]).__name__}: "
                               f"{str(error[0]).splitlines()[0][:160]}): it needs tokens another rank holds",
-                              "train it without sequence parallelism")
+                              "Train it without sequence parallelism")
             keep = _keep(ctx, lengths, batch, kind)
             found = culprits(full_calls, shard_rec.calls, keep, tolerance(dtype))
             if found:
                 name, why = found[0]
                 module = backbone.get_submodule(name) if name else backbone
-                path = f"{prefix}.{name}".strip(".")
+                path = _path(prefix, name)
                 raise Refusal(path, describe_culprit(module, why, shard_rec.ops, name), "")
+
+
+def _path(prefix: str, name: str) -> str:
+    """A backbone-relative module path, relative to the language model."""
+    return f"{prefix}.{name}".strip(".")
 
 
 def _keep(ctx, lengths: dict, batch: dict, kind: str) -> dict:
@@ -288,4 +295,4 @@ def choose_default_positions(observed: Observed, pad_id: int, original: str | No
             return rule
     raise Refusal(observed.backbone_name, "makes its own positions when given none, from the whole batch, by none of "
                   "the rules seqpar_hf reproduces (0..S-1, cumsum of the attention mask, padding-aware ids)",
-                  "pass position_ids explicitly, or train without sequence parallelism")
+                  "Train it without sequence parallelism")

@@ -31,10 +31,10 @@ def _projection(width: int, device) -> torch.Tensor:
 class Fingerprint:
     """[b, L, K] float64 per-token projection of a tensor along its sequence dim, with its side."""
 
-    __slots__ = ("side", "values", "exact")
+    __slots__ = ("side", "values", "exact", "width")
 
-    def __init__(self, side: str, values: torch.Tensor, exact: bool):
-        self.side, self.values, self.exact = side, values, exact
+    def __init__(self, side: str, values: torch.Tensor, exact: bool, width: int):
+        self.side, self.values, self.exact, self.width = side, values, exact, width
 
 
 def fingerprint(x, lengths: dict, batch: int) -> Fingerprint | None:
@@ -58,7 +58,7 @@ def fingerprint(x, lengths: dict, batch: int) -> Fingerprint | None:
     else:
         return None
     y = y.detach().reshape(y.shape[0], y.shape[1], -1).to(torch.float64)  # [b, L, rest]
-    return Fingerprint(side, y @ _projection(y.shape[-1], y.device), exact)  # [b, L, K]
+    return Fingerprint(side, y @ _projection(y.shape[-1], y.device), exact, y.shape[-1])  # [b, L, K]
 
 
 def collect(obj, lengths: dict, batch: int, path: str = "", out: dict | None = None, depth: int = 0) -> dict:
@@ -86,8 +86,8 @@ def collect(obj, lengths: dict, batch: int, path: str = "", out: dict | None = N
 def error(full: Fingerprint, full_keep: torch.Tensor, shard: Fingerprint, local_keep: torch.Tensor) -> float | None:
     """Relative difference of a shard's fingerprint at its tokens `local_keep` and the full run's at the
     same tokens `full_keep` (index tensors of equal length); None when the two cannot be compared."""
-    if full.values.shape[0] != shard.values.shape[0] or full.values.shape[-1] != shard.values.shape[-1]:
-        return None
+    if full.values.shape[0] != shard.values.shape[0] or full.width != shard.width:
+        return None  # another shape per token (e.g. a [q, k] mask): not comparable
     a = full.values.index_select(1, full_keep.to(full.values.device))
     b = shard.values.index_select(1, local_keep.to(shard.values.device)).to(a.device)
     if not a.numel():

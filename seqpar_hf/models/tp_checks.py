@@ -70,28 +70,25 @@ def check(family: ModelFamily, layout) -> None:
     plan = plan_of(family)
     if plan and not any(style in SHARDING for style in plan.values()):
         _refuse(f"{name}'s tensor-parallel plan shards no projection (only {', '.join(f'{k}: {v}' for k, v in plan.items())})")
-    heads = {(site.heads, site.kv_heads) for site in family.attention}
+    heads = {h for site in family.attention for h in (site.heads, site.kv_heads)}
     for path, layer in _layers(family):
         for block in GATHERED:
             module = getattr(layer, block, None)
             if module is None:
                 continue
-            for sub, child in module.named_modules():
-                full = f"{path}.{block}.{sub}".rstrip(".")
-                if isinstance(child, nn.Linear) and not _sharded(full, plan):
-                    _refuse(f"the plan does not shard {full} ({type(child).__name__} in {type(module).__name__}), a "
-                            "projection of a block whose sequence is gathered over the TP group")
             for pname, p in module.named_parameters():
                 full = f"{path}.{block}.{pname}"
-                if p.dim() >= 2 and not _sharded(full.rsplit(".", 1)[0], plan) and \
-                        any(p.shape[0] in (h, kv) for h, kv in heads):
-                    _refuse(f"{full} has one row per attention head {tuple(p.shape)}; it would have to be split with "
-                            "the heads over the TP group")
+                owner = full.rsplit(".", 1)[0]
+                if p.dim() >= 2 and not _sharded(owner, plan) and not _replicated(owner, plan):
+                    holder = module.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else module
+                    per_head = f", one row per attention head {tuple(p.shape)}" if p.shape[0] in heads else ""
+                    _refuse(f"the plan does not shard {full} ({type(holder).__name__}{per_head}), a weight of a block "
+                            "whose sequence is gathered over the TP group")
     for path, inputs in family.layer_inputs.items():
-        extra = [i for i in inputs if i not in LAYER_INPUTS]
-        if extra:
-            _refuse(f"{path} takes per-token inputs besides its hidden states ({', '.join(extra)}); they come whole "
-                    "from the embedding region and would meet the layer's TP slice of the sequence")
+        if inputs:
+            _refuse(f"{path} takes per-token inputs besides its hidden states ({', '.join(inputs)}) outside its "
+                    "attention and MLP blocks; they come whole from the embedding region and would meet the layer's "
+                    "TP slice of the sequence")
 
 
 class _Copy:
@@ -122,20 +119,35 @@ def complete(family: ModelFamily, layout, hook) -> None:
 
 
 def layer_inputs(family: ModelFamily, recorder_calls: dict, prefix: str) -> dict:
-    """{layer path: names of its per-token inputs} from the dry run's first call of each layer."""
+    """{layer path: names of the per-token inputs it takes besides its hidden states and consumes outside
+    its attention and MLP blocks} from the dry run's first call of each layer. An input is consumed where a
+    module inside the layer takes a tensor with the same per-token fingerprint; one no module takes (used by
+    the layer's own code) counts as consumed outside."""
     out = {}
     for path, layer in _layers(family):
-        calls = recorder_calls.get(f"{prefix}.{path}" if prefix else path)
+        full = f"{prefix}.{path}" if prefix else path
+        calls = recorder_calls.get(full)
         if not calls:
             continue
         params = [n for n, p in inspect.signature(layer.forward).parameters.items()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        names = set()
-        for key in calls[0]["in"]:
+        inside = {}  # fingerprint values -> whether every module taking them sits in a gathered block
+        for name, sub_calls in recorder_calls.items():
+            if not name.startswith(full + ".") or not sub_calls:
+                continue
+            gathered = name[len(full) + 1:].split(".")[0] in GATHERED
+            for fp in sub_calls[0]["in"].values():
+                key = (fp.values.shape, round(float(fp.values.double().sum()), 6))
+                inside[key] = inside.get(key, True) and gathered
+        extra = set()
+        for key, fp in calls[0]["in"].items():
             parts = key.split(".")  # ".0.<i>..." positional, ".1.<name>..." keyword
-            if len(parts) > 2:
-                names.add((params[int(parts[2])] if parts[2].isdigit() and int(parts[2]) < len(params) else parts[2])
-                          if parts[1] == "0" else parts[2])
-        out[path] = sorted(names - {params[0] if params else "hidden_states"})
+            if len(parts) < 3:
+                continue
+            name = parts[2] if parts[1] == "1" else (params[int(parts[2])] if int(parts[2]) < len(params) else parts[2])
+            if name == (params[0] if params else "hidden_states") or name in LAYER_INPUTS:
+                continue
+            if not inside.get((fp.values.shape, round(float(fp.values.double().sum()), 6)), False):
+                extra.add(name)
+        out[path] = sorted(extra)
     return out
-
