@@ -148,6 +148,7 @@ class Recorder:
         self.stack: list[str] = []
         self.top: list[tuple[str, tuple, dict]] = []  # (name, args, kwargs) of the root's direct calls
         self.ops: dict[str, set] = {}
+        self.innermost: str | None = None  # the innermost module that returned None (where a forward raised)
         self.linear_outputs: list[tuple[str, torch.Tensor, int]] = []  # to see what is modified in place later
         self.handles = []
         for module in dict.fromkeys(root.modules()):
@@ -163,6 +164,8 @@ class Recorder:
 
     def _post(self, module, args, kwargs, output):
         name = self.names.get(module, "?")
+        if output is None and self.innermost is None:  # also called when forward raised: the innermost first
+            self.innermost = name
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
             self.calls[name][-1]["out"] = collect(output, self.lengths, self.batch)

@@ -156,13 +156,10 @@ def inspect_model(model: nn.Module, split: bool = False, ring: bool = False) -> 
         raise ValueError(refusal.message(pretrained)) from None
 
 
-def structure(pretrained, kind: str, backbone, name: str) -> tuple[list[PositionModule], list[nn.Module]]:
-    """The position modules and layer stacks of the backbone the dry run found; refuses what cannot get
-    global positions."""
+def structure(pretrained, kind: str, backbone) -> tuple[list[PositionModule], list[nn.Module]]:
+    """The position modules and layer stacks of the backbone the dry run found; refuses position modules
+    that cannot get global positions."""
     encoder = backbone.get_encoder() if kind == "seq2seq" and hasattr(backbone, "get_encoder") else None
-    positions = _positions(backbone, kind, name, encoder)
-    if kind == "causal" and "position_ids" not in inspect.signature(backbone.forward).parameters:
-        _refuse(name, "its backbone takes no position_ids, so shards cannot be given their global positions",
-                "Use a model whose forward takes position_ids")
+    positions = _positions(backbone, kind, type(pretrained).__name__, encoder)
     stacks = [m for m in backbone.modules() if hasattr(m, "layers") and isinstance(m.layers, nn.ModuleList)]
     return positions, stacks

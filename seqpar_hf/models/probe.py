@@ -27,7 +27,6 @@ from torch import nn
 from ..parallel.sharding import ShardPlan
 from . import dryrun, positions as positions_
 from .context import CONTEXT_KWARG
-from .default_positions import RULES
 from .inputs import shard_causal, shard_seq2seq
 from .probe_checks import Refusal, culprits, describe_culprit, loss_convention, tolerance
 
@@ -111,7 +110,7 @@ def _run(root: nn.Module, call, lengths: dict, names: dict, original, full: bool
         with dryrun.running(run), dryrun.Determinism(recorder if log_ops else None):
             out = call()
     except Exception as exc:  # noqa: BLE001 - reported as a refusal naming where it failed
-        error = (exc, list(recorder.stack))
+        error = (exc, [n for n in (recorder.innermost,) if n is not None])
     finally:
         recorder.remove()
     return recorder, run, out, error
@@ -204,7 +203,8 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
     names = {m: n for n, m in backbone.named_modules(remove_duplicate=False)}
     fn = dryrun.original_function(original)
     shard = shard_seq2seq if kind == "seq2seq" else shard_causal
-    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(backbone.forward).parameters.values())
+    params = inspect.signature(backbone.forward).parameters
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
     dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
     for training in (False, True):
         if training:  # the full run again, in training mode (capacity-limited routing, batch statistics, ...)
@@ -225,6 +225,8 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
                         default_positions=observed.default_positions)
             if takes_kwargs:
                 kw[CONTEXT_KWARG] = ctx
+            else:  # a backbone without position_ids (refused for it): what it takes
+                kw = {k: v for k, v in kw.items() if k in params}
             state = SimpleNamespace(active=ctx)
             hooks = positions_.install(state, SimpleNamespace(positions=family_positions), pad_id)
             local = {meta.plan.local_length: side for side, meta in ctx.seqs.items()}
@@ -237,7 +239,7 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
             if error is not None:
                 where = _path(prefix, error[1][-1] if error[1] else "")
                 raise Refusal(where, f"fails on a shard of the sequence ({type(error[0]).__name__}: "
-                              f"{str(error[0]).splitlines()[0][:160]}): it needs tokens another rank holds",
+                              f"{str(error[0]).splitlines()[0][:160]}): it cannot run on part of the sequence",
                               "Train it without sequence parallelism")
             keep = _keep(ctx, lengths, batch, kind)
             found = culprits(full_calls, shard_rec.calls, keep, tolerance(dtype))
@@ -266,33 +268,3 @@ def _keep(ctx, lengths: dict, batch: dict, kind: str) -> dict:
             real = real & mask[index.clamp(max=plan.length - 1)]
         out[side] = (index[real].cpu(), local[real].cpu())
     return out
-
-
-def choose_default_positions(observed: Observed, pad_id: int, original: str | None) -> str:
-    """The rule (models/default_positions.py) the causal backbone follows when given no positions: the
-    first whose explicit positions reproduce the full run's backbone output; Refusal if none does."""
-    recorder, batch, lengths, kwargs = observed.full
-    if kwargs is None or kwargs.get("position_ids") is not None or \
-            "position_ids" not in inspect.signature(observed.backbone.forward).parameters:
-        return "arange"
-    from .default_positions import compute
-    from .signatures import error
-    backbone, names = observed.backbone, {m: n for n, m in observed.backbone.named_modules(remove_duplicate=False)}
-    want = recorder.calls[observed.backbone_name][0]["out"]
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    real = mask.bool().all(0).nonzero().flatten().cpu()  # compare the tokens real in every row
-    dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
-    for rule in RULES:
-        pos = compute(rule, ids, mask, BATCH, CAUSAL_LENGTH, pad_id, ids.device)
-        pos = torch.arange(CAUSAL_LENGTH, device=ids.device).unsqueeze(0) if pos is None else pos
-        rec, _, _, err = _run(backbone, lambda: backbone(**{**kwargs, "position_ids": pos}), lengths, names,
-                              dryrun.original_function(original), True, False, log_ops=False)
-        if err is not None:
-            continue
-        got = rec.calls[""][0]["out"]
-        errors = [error(want[p], real, got[p], real) for p in want if p in got]
-        if errors and all(e is not None and e <= tolerance(dtype) for e in errors):
-            return rule
-    raise Refusal(observed.backbone_name, "makes its own positions when given none, from the whole batch, by none of "
-                  "the rules seqpar_hf reproduces (0..S-1, cumsum of the attention mask, padding-aware ids)",
-                  "Train it without sequence parallelism")

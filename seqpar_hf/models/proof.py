@@ -6,15 +6,18 @@ attention mixes tokens."""
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
 
 from . import dryrun, probe
 from .attention_calls import site_records
+from .default_positions import RULES, compute
 from .families import AttentionModule, ModelFamily, structure
 from .head import post_processing
-from .probe_checks import Refusal
+from .probe_checks import Refusal, tolerance
+from .signatures import error
 from .tp_checks import layer_inputs
 
 __all__ = ["prove", "Refusal"]
@@ -62,9 +65,36 @@ def _check_loss(convention: str | None, kind: str) -> None:
                            "gather_logits")
 
 
+def choose_default_positions(observed, pad_id: int, original: str | None) -> str:
+    """The rule (models/default_positions.py) the causal backbone follows when given no positions: the
+    first whose explicit positions reproduce the full run's backbone output; Refusal if none does."""
+    recorder, batch, lengths, kwargs = observed.full
+    if kwargs is None or kwargs.get("position_ids") is not None or \
+            "position_ids" not in inspect.signature(observed.backbone.forward).parameters:
+        return "arange"
+    backbone, names = observed.backbone, {m: n for n, m in observed.backbone.named_modules(remove_duplicate=False)}
+    want = recorder.calls[observed.backbone_name][0]["out"]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    real = mask.bool().all(0).nonzero().flatten().cpu()  # compare the tokens real in every row
+    dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
+    for rule in RULES:
+        pos = compute(rule, ids, mask, probe.BATCH, probe.CAUSAL_LENGTH, pad_id, ids.device)
+        pos = torch.arange(probe.CAUSAL_LENGTH, device=ids.device).unsqueeze(0) if pos is None else pos
+        rec, _, _, err = probe._run(backbone, lambda: backbone(**{**kwargs, "position_ids": pos}), lengths, names,
+                                    dryrun.original_function(original), True, False, log_ops=False)
+        if err is not None:
+            continue
+        got = rec.calls[""][0]["out"]
+        errors = [error(want[p], real, got[p], real) for p in want if p in got]
+        if errors and all(e is not None and e <= tolerance(dtype) for e in errors):
+            return rule
+    raise Refusal(observed.backbone_name, "makes its own positions when given none, from the whole batch, by none of "
+                  "the rules seqpar_hf reproduces (0..S-1, cumsum of the attention mask, padding-aware ids)",
+                  "Train it without sequence parallelism")
+
+
 def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split: bool, ring: bool) -> ModelFamily:
     start = time.perf_counter()
-    name = type(pretrained).__name__
     with dryrun.Preserved(pretrained):
         observed = probe.observe(pretrained, kind, pad_id, original, guess)
         backbone = observed.backbone
@@ -72,11 +102,15 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         records = site_records(observed.calls, original, _valid(batch, kind))
         attention, local = _sites(records, observed, pretrained)
         _check_loss(observed.loss_convention, kind)
-        positions, stacks = structure(pretrained, kind, backbone, name)
-        if kind == "causal" and (split or not attention):
-            observed.default_positions = probe.choose_default_positions(observed, pad_id, original)
-        if split or not attention:  # without attention, name what mixes the tokens instead
+        positions, stacks = structure(pretrained, kind, backbone)
+        no_positions = kind == "causal" and "position_ids" not in inspect.signature(backbone.forward).parameters
+        if kind == "causal" and (split or not attention) and not no_positions:
+            observed.default_positions = choose_default_positions(observed, pad_id, original)
+        if split or not attention or no_positions:  # without attention (or positions), name what mixes tokens
             probe.shard_check(pretrained, observed, kind, positions, pad_id, ring, original)
+        if no_positions:
+            raise Refusal("", "runs a backbone that takes no position_ids, so shards cannot be given their global "
+                              "positions", "Use a model whose forward takes position_ids")
         if not attention:
             raise Refusal("", "calls no attention along the sequence through transformers' AttentionInterface "
                               "(found no attention modules)", "Use a model whose attention does (most models "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import fnmatch
 import inspect
 
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .families import ModelFamily
