@@ -75,7 +75,7 @@ def _check_structure(model: nn.Module, config, name: str) -> None:
         _refuse(name, "its attention adds a relative position bias computed from the whole query-key distance "
                       "matrix, which no rank holds under sequence parallelism",
                 "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work")
-    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt") or \
+    if getattr(config, "alibi", False) or \
             getattr(config, "position_embedding_type", "absolute") not in ("absolute", "rope", None):
         _refuse(name, "its attention uses ALiBi or relative-key position biases that span the whole sequence",
                 "Use a model with rotary or absolute positions")

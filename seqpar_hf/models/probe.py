@@ -244,10 +244,10 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
             keep = _keep(ctx, lengths, batch, kind)
             found = culprits(full_calls, shard_rec.calls, keep, tolerance(dtype))
             if found:
-                name, why = found[0]
+                name, clean = found[0]
                 module = backbone.get_submodule(name) if name else backbone
                 path = _path(prefix, name)
-                raise Refusal(path, describe_culprit(module, why, shard_rec.ops, name), "")
+                raise Refusal(path, describe_culprit(module, clean, shard_rec.ops, name), "")
 
 
 def _path(prefix: str, name: str) -> str:

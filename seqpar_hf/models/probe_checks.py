@@ -49,30 +49,36 @@ def _differs(full: dict, shard: dict, keep: dict, tol: float, skip=()) -> bool:
     return False
 
 
-def culprits(full_calls: dict, shard_calls: dict, keep: dict, tol: float) -> list[tuple[str, str]]:
-    """[(module name, reason)] of the innermost modules whose outputs on the shard differ from the full
-    run's at the same tokens while their inputs agree. Modules called a different number of times (experts
-    that got other tokens) are judged through the module around them."""
-    found = {}
+def culprits(full_calls: dict, shard_calls: dict, keep: dict, tol: float) -> list[tuple[str, set]]:
+    """[(module name, the modules proven to agree)] of the innermost modules whose outputs on the shard
+    differ from the full run's at the same tokens while their inputs agree. Modules called a different
+    number of times (experts that got other tokens) are judged through the module around them."""
+    found, clean = {}, set()
     for name, calls in shard_calls.items():
         ref = full_calls.get(name)
         if ref is None or len(ref) != len(calls):
             continue
+        agree = True
         for a, b in zip(ref, calls):
             if "out" not in a or "out" not in b:
+                agree = False
                 continue
-            if _differs(a["out"], b["out"], keep, tol) and not _differs(a["in"], b["in"], keep, tol, _IGNORED_INPUTS):
+            out_differs = _differs(a["out"], b["out"], keep, tol)
+            agree = agree and not out_differs and bool(a["out"])
+            if out_differs and not _differs(a["in"], b["in"], keep, tol, _IGNORED_INPUTS):
                 found[name] = "mixes"
-                break
+        if agree:
+            clean.add(name)
     inner = [n for n in found if not any(o != n and (o.startswith(n + ".") if n else True) for o in found)]
-    return sorted(((n, found[n]) for n in inner), key=lambda t: (t[0].count("."), t[0]))
+    return sorted(((n, clean) for n in inner), key=lambda t: (t[0].count("."), t[0]))
 
 
-def describe_culprit(module: nn.Module, why: str, ops: dict, name: str) -> str:
-    """Why this module cannot be sharded, from the operations it (or what it runs) was seen calling."""
+def describe_culprit(module: nn.Module, clean: set, ops: dict, name: str) -> str:
+    """Why this module cannot be sharded, from the operations it, or what it runs and was not proven to
+    agree (`clean`), was seen calling."""
     seen = set()
     for key, value in ops.items():
-        if key == name or (key.startswith(name + ".") if name else True):
+        if key == name or ((key.startswith(name + ".") if name else True) and key not in clean):
             seen |= value
     convs = any(isinstance(m, nn.Conv1d) for m in module.modules())
     if "softmax" in seen:
@@ -110,7 +116,11 @@ def loss_convention(model: nn.Module, labels: torch.Tensor | None, out) -> str |
         coef = getattr(model.config, "router_aux_loss_coef", 0.0) if coef is None else coef
         shift, same = shift + coef * aux.float(), same + coef * aux.float()
     tol = max(tolerance(logits.dtype), 1e-6)
-    for name, value in (("shift", shift), ("same", same)):
-        if abs(value.item() - loss.float().item()) <= tol * max(abs(loss.float().item()), 1e-12):
-            return name
-    return "other"
+    scale = max(abs(loss.float().item()), 1e-12)
+    errors = {name: abs(value.item() - loss.float().item()) / scale for name, value in (("shift", shift),
+                                                                                         ("same", same))}
+    best = min(errors, key=errors.get)
+    if errors[best] > tol:
+        return "other"
+    other = errors["same" if best == "shift" else "shift"]
+    return best if other > 10 * errors[best] else None  # both within rounding: the batch cannot tell
