@@ -7,7 +7,7 @@ Kinds: plain decoder with GQA (Llama), q/k norm + sliding window (Qwen3), slidin
 sliding:full pattern (Gemma 3), MoE (Qwen3-MoE, Mixtral), MoE + window not passed (Qwen2-MoE),
 latent attention + MoE (DeepSeek-V3), partial rotary + fused qkv (GPT-NeoX), learned absolute positions
 (GPT-2), short-conv hybrid (LFM2), Mamba hybrid (Jamba), gated-DeltaNet hybrid (Qwen3-Next), pure SSM
-(Mamba), ALiBi (BLOOM), relative position bias (T5), soft-capping (Gemma 2), encoder-decoder (Marian,
+(Mamba), ALiBi computed by hand (BLOOM), relative position bias (T5), soft-capping (Gemma 2), encoder-decoder (Marian,
 BART, M2M100 with padding-aware sinusoidal positions), an LM forward around its backbone (OPT),
 padding-aware learned positions (RoBERTa), an activation with learned parameters under TP (Apertus),
 fused qkv + window (Phi-3), an attention bias passed as a kwarg (Inkling), DeepSeek sparse attention
@@ -76,7 +76,7 @@ EXPECT_REFUSED: dict[tuple[str, str], str] = {
     ("qwen3_next", "ulysses"): f"model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) {_CONV}",
     ("mamba", "ulysses"): f"backbone.layers.0.mixer (MambaMixer) {_CONV}",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
-    ("bloom", "ulysses"): "ALiBi",
+    ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence
     ("t5", "ulysses"): "relative position bias",
     ("gemma2", "ulysses"): "soft-capping",
     ("cohere:use_qk_norm", "tp2"): "layers.0.self_attn.q_norm.weight (CohereLayerNorm, one row per attention head",
