@@ -111,6 +111,13 @@ def test_what_the_dry_run_proves():
     assert inspect_model(_model("llama", "LlamaForCausalLM"), split=True).default_positions == "arange"
 
 
+def test_a_backbone_alone_is_proven_the_same_way():
+    assert inspect_model(_model("roberta", "RobertaForCausalLM").base_model, split=True).default_positions == \
+        "padding_aware"
+    with pytest.raises(ValueError, match=r"Lfm2Model: layers\.0\.conv \(Lfm2ShortConv\) runs a convolution"):
+        inspect_model(_model("lfm2", "Lfm2ForCausalLM").base_model, split=True)
+
+
 def test_composite_config_pad_id_from_text_config():
     model = _model("codegen", "CodeGenForCausalLM")  # CodeGenConfig defines no pad_token_id
     seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))

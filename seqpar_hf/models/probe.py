@@ -157,7 +157,9 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
     backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
     backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
     observed = Observed(backbone, backbone_name, run.attention)
-    observed.full = (recorder, batch, lengths, _named(backbone.forward, *backbone_call[1:]) if backbone_call else None)
+    # what the backbone was called with (the backbone itself: what the dry run passed it)
+    called = _named(backbone.forward, *backbone_call[1:]) if backbone_call else dict(kwargs)
+    observed.full = (recorder, batch, lengths, called)
     if head is not None and "hidden" in captured and getattr(out, "logits", None) is not None:
         observed.head_logits = (captured["hidden"], out.logits)
         observed.loss_convention = loss_convention(pretrained, labels, out)
@@ -170,7 +172,7 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
     """(name, (name, args, kwargs) of its call) of the module the forward runs as its backbone: the one
     module the language model calls itself that holds every attention call along the sequence."""
     if pretrained.get_output_embeddings() is None:
-        return "", ("", (), {})  # the backbone itself was given: the caller passes its inputs
+        return "", None  # the backbone itself was given
     attention = {c["module"] for c in sequence}
     top = [(n, a, k) for n, a, k in recorder.top]
     holding = [t for t in top if attention and all(a == t[0] or a.startswith(t[0] + ".") for a in attention)]
@@ -198,8 +200,6 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
     same tokens of the full sequence, in eval and in training mode."""
     recorder, batch, lengths, backbone_kwargs = observed.full
     backbone, prefix = observed.backbone, observed.backbone_name
-    if backbone_kwargs is None:
-        backbone_kwargs = dict(batch)
     names = {m: n for n, m in backbone.named_modules(remove_duplicate=False)}
     fn = dryrun.original_function(original)
     shard = shard_seq2seq if kind == "seq2seq" else shard_causal
@@ -216,8 +216,7 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
                               "tiny batch: "
                               f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}", "")
         else:
-            full_calls = {(n[len(prefix) + 1:] if prefix and n.startswith(prefix + ".") else ("" if n == prefix else
-                           None)): v for n, v in recorder.calls.items()}
+            full_calls = {_relative(prefix, n): v for n, v in recorder.calls.items()}  # names in the backbone
             full_calls.pop(None, None)
         for rank in (0, 1):
             kw = dict(backbone_kwargs)
@@ -248,6 +247,13 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
                 module = backbone.get_submodule(name) if name else backbone
                 path = _path(prefix, name)
                 raise Refusal(path, describe_culprit(module, clean, shard_rec.ops, name), "")
+
+
+def _relative(prefix: str, name: str) -> str | None:
+    """A module path relative to the backbone at `prefix` (None: outside it)."""
+    if not prefix:
+        return name
+    return "" if name == prefix else (name[len(prefix) + 1:] if name.startswith(prefix + ".") else None)
 
 
 def _path(prefix: str, name: str) -> str:

@@ -69,7 +69,7 @@ def choose_default_positions(observed, pad_id: int, original: str | None) -> str
     """The rule (models/default_positions.py) the causal backbone follows when given no positions: the
     first whose explicit positions reproduce the full run's backbone output; Refusal if none does."""
     recorder, batch, lengths, kwargs = observed.full
-    if kwargs is None or kwargs.get("position_ids") is not None or \
+    if kwargs.get("position_ids") is not None or \
             "position_ids" not in inspect.signature(observed.backbone.forward).parameters:
         return "arange"
     backbone, names = observed.backbone, {m: n for n, m in observed.backbone.named_modules(remove_duplicate=False)}
