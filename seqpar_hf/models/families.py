@@ -1,14 +1,12 @@
-"""Which transformers models can be sequence-parallel, decided by structure rather than by a list.
+"""Which transformers models can be sequence-parallel, decided by what their code does, never by a list.
 
-A model is patched when its attention layers go through transformers' `AttentionInterface` with
-[b, h, s, d] q/k/v, and its positions are rotary (full or partial, any `rope_type`), absolute
-(learned or sinusoidal, looked up by position id) or none. Causal LMs and encoder-decoder LMs are
-patched as a whole; their backbone (`model.base_model`) also on its own.
-
-Refused, with the structural reason and the fix: relative position biases (T5 family) and ALiBi,
-whose bias spans the whole relative-distance matrix; attention logit soft-capping and attention
-sinks (no sharded kernel for them here); chunked attention; absolute position embeddings that are
-not looked up by position id.
+`inspect_model` checks the structure first (relative position biases, ALiBi, soft-capping, sinks and
+chunked attention in the config; position modules that cannot be looked up by position id), then proves
+the rest with a dry run of the model (models/proof.py, probe.py): the backbone its forward runs, every
+attention call through transformers' `AttentionInterface` (sides, pattern, keywords), its default
+positions, its loss and LM head, and (when the layout splits the sequence) that nothing but attention
+mixes tokens. Causal LMs and encoder-decoder LMs are patched as a whole; their backbones also on their
+own. Every refusal names the module or value, why, and the fix.
 """
 
 from __future__ import annotations
