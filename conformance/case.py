@@ -181,7 +181,7 @@ def _real_positions(model, batch: dict, *logits: torch.Tensor) -> tuple:
 
 
 ERRORS = ("loss_err", "grad_err", "logits_err")
-ROUNDING_LIMIT = 1e-3  # WRONG rows below it are re-run in float64 (ulysses, tp2; the ring does not run in float64)
+ROUNDING_LIMIT = 1e-3  # WRONG rows below it are re-run in float64 (the ring's math path takes float64)
 
 
 def _float64_errors(model_type: str, class_name: str, batch: dict, layout) -> dict:
@@ -238,7 +238,7 @@ def run_case(model_type: str, class_name: str, layout_name: str, layouts: dict) 
         return done("EXACT")
     worst = max(errors, key=errors.get)
     reason = f"worst {worst} {errors[worst]:.2e}" + (f" at {rec['worst_param']}" if worst == "grad_err" else "")
-    if max(errors.values()) < ROUNDING_LIMIT and layout_name != "ring":
+    if max(errors.values()) < ROUNDING_LIMIT:
         try:
             f64 = _float64_errors(model_type, class_name, batch, layout)
         except Exception as exc:  # noqa: BLE001

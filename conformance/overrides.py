@@ -61,6 +61,20 @@ OVERRIDES: dict[str, dict] = {
 OVERRIDES["qwen4_exp"] = OVERRIDES["qwen4_exp_text"]
 OVERRIDES["dots3_note"] = OVERRIDES["dots3_note_text"]
 
+# variants "<model_type>:<name>": a structure the defaults leave off, switched on (the sample's parity rows for
+# fixes that only show with it); their overrides apply after the model type's own
+VARIANTS: dict[str, dict] = {
+    "phi:qk_layernorm": dict(qk_layernorm=True),  # LayerNorm on q / k per head: a replicated weight under TP
+    "olmo:clip_qkv": dict(clip_qkv=0.05),  # q / k / v clamped in place after their (column-parallel) projections
+    "cohere:use_qk_norm": dict(use_qk_norm=True),  # per-head norm weights [heads, head_dim]
+    # a decoder self-attention whose module says is_causal=False while its mask is causal (as NLLB-MoE's)
+    "marian:decoder_is_causal_false": dict(_attrs={"model.decoder.layers.*.self_attn": {"is_causal": False}}),
+    # the same under eager attention, which always follows the mask: sharded by the mask, keys from the decoder
+    "marian:decoder_is_causal_false_eager": dict(_attrs={"model.decoder.layers.*.self_attn": {"is_causal": False}},
+                                                 _attn="eager"),
+    "t5gemma:no_softcap": dict(encoder={"attn_logit_softcapping": None}, decoder={"attn_logit_softcapping": None}),
+}
+
 # (status, reason): UNBUILDABLE (cannot be built here) or NOT-A-TEXT-LM (built, but it is not a model that
 # trains on a batch of token ids)
 UNBUILDABLE: dict = {

@@ -273,30 +273,38 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' / '.join(lines[:2])}"[:300]
 
 
+def base_type(model_type: str) -> str:
+    """The transformers model type of a sweep entry ("phi:qk_layernorm" is a variant of "phi")."""
+    return model_type.partition(":")[0]
+
+
 def _family_overrides(model_type: str) -> dict:
-    from .overrides import OVERRIDES
-    return dict(OVERRIDES.get(model_type, {}))
+    """The model type's overrides, then its variant's (overrides.VARIANTS)."""
+    from .overrides import OVERRIDES, VARIANTS
+    out = dict(OVERRIDES.get(base_type(model_type), {}))
+    out.update(VARIANTS.get(model_type, {}))
+    return out
 
 
 def build_tiny(model_type: str, class_name: str, seed: int = 0, perturb: float = 0.02):
     """(model, note): the tiny fp32 model of `class_name` with attn_implementation sdpa where it is
     supported, else eager. Raises Unbuildable with the reason."""
     from .overrides import UNBUILDABLE
-    if model_type in UNBUILDABLE:
-        status, reason = UNBUILDABLE[model_type]
+    if base_type(model_type) in UNBUILDABLE:
+        status, reason = UNBUILDABLE[base_type(model_type)]
         raise Unbuildable(reason, status)
     model_class = getattr(transformers, class_name, None)
     if model_class is None:
         raise Unbuildable(f"transformers has no attribute {class_name}")
     overrides = _family_overrides(model_type)
-    harness = {k: overrides.pop(k) for k in list(overrides) if k in ("_call", "_labels")}
+    harness = {k: overrides.pop(k) for k in list(overrides) if k in ("_call", "_labels", "_attrs", "_attn")}
     config_class = getattr(model_class, "config_class", None)
     if not (isinstance(config_class, type) and issubclass(config_class, PreTrainedConfig)):
         config_class = None
-    config = build_config(model_type, overrides, config_class)
+    config = build_config(base_type(model_type), overrides, config_class)
     torch.manual_seed(seed)
     model, attn = None, None
-    for attn in ("sdpa", "eager"):
+    for attn in (harness["_attn"],) if "_attn" in harness else ("sdpa", "eager"):
         try:
             model = model_class._from_config(config, attn_implementation=attn, dtype=torch.float32)
             break
@@ -309,6 +317,12 @@ def build_tiny(model_type: str, class_name: str, seed: int = 0, perturb: float =
     if "_call" in harness:
         method, *args = harness["_call"]
         getattr(model, method)(*args)
+    for pattern, values in harness.get("_attrs", {}).items():  # module attributes no config sets
+        import fnmatch
+        for name, module in model.named_modules():
+            if fnmatch.fnmatch(name, pattern):
+                for key, value in values.items():
+                    setattr(module, key, value)
     if perturb:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -323,4 +337,4 @@ def is_seq2seq(model) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
 
 
-__all__ = ["build_tiny", "build_config", "mapping_classes", "Unbuildable", "VOCAB", "SPECIAL_IDS", "is_seq2seq"]
+__all__ = ["build_tiny", "build_config", "base_type", "mapping_classes", "Unbuildable", "VOCAB", "SPECIAL_IDS", "is_seq2seq"]

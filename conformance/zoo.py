@@ -190,21 +190,23 @@ def plan_tasks(classes: list[tuple[str, str, str]], layouts=LAYOUTS) -> list[tup
     from transformers import CONFIG_MAPPING
 
     from .overrides import UNBUILDABLE
+    from .tiny import base_type
     tasks = []
     for model_type, class_name, _ in classes:
-        if model_type in UNBUILDABLE:  # known not to build: one row, no layout
+        if base_type(model_type) in UNBUILDABLE:  # known not to build: one row, no layout
             tasks.append((model_type, class_name, "-"))
             continue
         for layout in layouts:
             if layout == "tp2":
                 model_class = getattr(transformers, class_name, None)
-                config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[model_type]
+                config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[base_type(model_type)]
                 try:
-                    config_class = config_class if isinstance(config_class, type) else CONFIG_MAPPING[model_type]
+                    config_class = config_class if isinstance(config_class, type) else \
+                        CONFIG_MAPPING[base_type(model_type)]
                     plan = getattr(config_class, "base_model_tp_plan", None)
                     text = getattr(config_class, "sub_configs", None) or {}
                     plan = plan or getattr(text.get("text_config"), "base_model_tp_plan", None)
-                    seq2seq = model_type in _seq2seq_types()
+                    seq2seq = base_type(model_type) in _seq2seq_types()
                 except Exception:  # noqa: BLE001
                     plan, seq2seq = None, False
                 if not plan and not seq2seq:
@@ -270,6 +272,15 @@ def write(rows: list[dict], out: Path, wall: float, command: str) -> None:
              f"`{command}`: {len(classes)} mapping entries, {len(rows)} rows (entry x layout), "
              f"wall time {wall / 60:.1f} min.", "", "| status | rows |", "|---|---|"]
     lines += [f"| {s} | {n} |" for s, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    from .causes import cause
+    causes = {}
+    for r in rows:
+        if r["status"] == "REFUSED":
+            causes.setdefault(cause(r.get("reason", "")), set()).add(r["class"])
+    lines += ["", "| REFUSED because | classes |", "|---|---|"]
+    lines += [f"| {c} | {len(n)} |" for c, n in sorted(causes.items(), key=lambda kv: -len(kv[1]))]
+    exact = {r["class"] for r in rows if r["status"] == "EXACT"}
+    lines += ["", f"Classes EXACT in at least one layout: {len(exact)}."]
     unclear = sum(r.get("refusal") == "unclear" for r in rows)
     lines += ["", f"REFUSED rows whose error does not say why (not a ValueError / NotImplementedError naming the "
                   f"structure, or \"found no attention modules\"): {unclear}, marked REFUSED? below."]
@@ -282,6 +293,22 @@ def write(rows: list[dict], out: Path, wall: float, command: str) -> None:
     (out / "zoo.md").write_text("\n".join(lines) + "\n")
 
 
+def zoo_tasks(names=None, layouts=LAYOUTS) -> list[tuple[str, str, str]]:
+    """class x layout for every entry of both mappings (or those `names` name: model types, class names,
+    variants "<model_type>:<name>"); a model type in both mappings with the same class is one entry."""
+    from .tiny import base_type, mapping_classes
+    classes = mapping_classes()
+    if names:
+        variants = [(v, cls, m) for v in names if ":" in v for mt, cls, m in classes if mt == base_type(v)]
+        classes = [c for c in classes if c[0] in names or c[1] in names] + variants
+    seen, unique = set(), []
+    for c in classes:
+        if (c[0], c[1]) not in seen:
+            seen.add((c[0], c[1]))
+            unique.append(c)
+    return plan_tasks(unique, layouts)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--classes", nargs="*", help="model types or class names (default: all)")
@@ -290,8 +317,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .tiny import mapping_classes
-    classes = mapping_classes()
     if args.sample:
         from .sample import sample_tasks
         tasks = sample_tasks()
@@ -299,14 +324,7 @@ def main(argv=None) -> int:
         rows = sweep(tasks)
         write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))
         return 0
-    if args.classes:
-        classes = [c for c in classes if c[0] in args.classes or c[1] in args.classes]
-    seen, unique = set(), []
-    for c in classes:  # a model type in both mappings with the same class is one entry
-        if (c[0], c[1]) not in seen:
-            seen.add((c[0], c[1]))
-            unique.append(c)
-    tasks = plan_tasks(unique, args.layouts)
+    tasks = zoo_tasks(args.classes, args.layouts)
     start = time.time()
     rows = sweep(tasks)
     write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))

@@ -49,7 +49,8 @@ def refusals(results):
     ("heads", "3 query and 3 key/value heads, not divisible by tp_size=2"),
     ("fused-qkv", "Phi3ForCausalLM's plan entry 'layers.\\*.self_attn.qkv_proj'.*not supported.*tp_size=1"),
     ("experts", "MixtralForCausalLM's plan entry.*experts.*not supported"),
-    ("world", "world size 2 is not divisible by sp_size x tp_size = 2 x 2 = 4")])
+    ("world", "world size 2 is not divisible by sp_size x tp_size = 2 x 2 = 4"),
+    ("inputs-embeds", "inputs_embeds with tensor parallelism.*pass input_ids")])
 def test_impossible_layouts_are_refused_with_the_numbers(refusals, case, message):
     import re
     assert refusals[case] is not None and re.search(message, refusals[case]), refusals[case]

@@ -77,10 +77,11 @@ def test_position_tables_are_found_by_module():
 
 
 def test_encoder_only_models_are_refused():
-    """BertConfig has no is_causal; its self-attention says is_causal=False: refused, not patched as causal
-    (its masked-LM labels would have been shifted)."""
+    """BertConfig has no is_causal: refused, not patched as causal (its masked-LM labels would have been
+    shifted): the dry run sees its loss read the label at the same position."""
     from transformers import BertConfig, BertForMaskedLM
     model = BertForMaskedLM(BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=40))
-    with pytest.raises(ValueError, match=r"bidirectional \(encoder-only\).*is_causal=False"):
+    with pytest.raises(ValueError, match=r"BertForMaskedLM: its forward computes its loss against the label at the "
+                                         r"same position \(no shift\)"):
         inspect_model(model)

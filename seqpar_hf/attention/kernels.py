@@ -103,6 +103,8 @@ def _by_document(q, k, v, pattern: Pattern, scale, dropout, kv_for_q):
                 i, j = torch.arange(lq, device=q.device)[:, None], torch.arange(lk, device=q.device)[None, :]
                 if spec.causal:
                     mask = mask & (j <= i) & (i - j < spec.window)
+                elif spec.window is not None:  # bidirectional window: |i - j| < w
+                    mask = mask & ((i - j).abs() < spec.window)
             plans.append((d, mask, d.q_index[d.q_valid]))
         pattern.documents = (plans, torch.cat([index for _, _, index in plans])) if plans else None
     if pattern.documents is None:
@@ -148,8 +150,8 @@ def _varlen(q, k, v, pattern: Pattern, scale, kv_for_q):
         index = torch.tensor(kv_for_q, device=q.device)
         k, v = k.index_select(1, index), v.index_select(1, index)
     flat = [x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (q, k, v)]  # [b, h, s, d] -> [b*s, h, d]
-    left = -1 if spec.window is None else spec.window - 1
-    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(left, 0 if spec.causal else -1))
+    left = -1 if spec.window is None else spec.window - 1  # keys i - left .. i + right
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(left, 0 if spec.causal else left))
     return out.view(b, s, h, d).transpose(1, 2)  # [b*s, h, d] -> [b, h, s, d]
 
 
@@ -171,8 +173,21 @@ def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
     return out[..., :s_k]
 
 
-def block_forward(q, k, v, bias, causal: bool, scale: float):
+FUSED_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused CPU kernel's backward takes
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 and half precision, float64 for float64 (the sweep re-checks near misses there)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _fused(q):
     ops = _compat.ring_kernel_ops(q.device.type)
+    return None if ops is None or (q.device.type == "cpu" and q.dtype not in FUSED_CPU_DTYPES) else ops
+
+
+def block_forward(q, k, v, bias, causal: bool, scale: float):
+    ops = _fused(q)
     if ops is None:
         return math_forward(q, k, v, bias, causal, scale)
     if q.device.type == "cpu":
@@ -180,11 +195,11 @@ def block_forward(q, k, v, bias, causal: bool, scale: float):
         return out, lse
     b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
     out, lse, _, _ = ops[0](q, k, v, b, True, 0.0, causal, scale=scale)
-    return out, lse[..., :q.shape[2]].float()
+    return out, lse[..., :q.shape[2]].to(accumulation_dtype(q.dtype))
 
 
 def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
-    ops = _compat.ring_kernel_ops(q.device.type)
+    ops = _fused(q)
     if ops is None:
         return math_backward(dout, q, k, v, out, lse, bias, causal, scale)
     if q.device.type == "cpu":
@@ -198,9 +213,10 @@ def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
 
 
 def _scores(q, k, bias, causal, scale):
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [b, h, s_q, s_k]
+    t = accumulation_dtype(q.dtype)
+    s = torch.matmul(q.to(t), k.to(t).transpose(-1, -2)) * scale  # [b, h, s_q, s_k]
     if bias is not None:
-        s = s + bias.float()
+        s = s + bias.to(t)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
@@ -210,23 +226,25 @@ def math_forward(q, k, v, bias, causal, scale):
     s = _scores(q, k, bias, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
-    return torch.matmul(p, v.float()).to(q.dtype), lse.nan_to_num(neginf=0.0)
+    return torch.matmul(p, v.to(s.dtype)).to(q.dtype), lse.nan_to_num(neginf=0.0)
 
 
 def math_backward(dout, q, k, v, out, lse, bias, causal, scale):
     s = _scores(q, k, bias, causal, scale)
-    p = torch.exp(s - lse[..., None])  # [b, h, s_q, s_k]
-    do = dout.float()
+    t = s.dtype
+    p = torch.exp(s - lse.to(t)[..., None])  # [b, h, s_q, s_k]
+    do = dout.to(t)
     dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, v.float().transpose(-1, -2))
-    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, k.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    dp = torch.matmul(do, v.to(t).transpose(-1, -2))
+    ds = p * (dp - (do * out.to(t)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.to(t)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(t)) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
-    """Online-softmax merge of two partial results over disjoint key sets, in fp32.
+    """Online-softmax merge of two partial results over disjoint key sets, in `out`'s dtype (fp32, or
+    float64 for float64 inputs).
 
     out/block_out [b, h, s, d], lse/block_lse [b, h, s] (-inf: the row saw no key). Rows that saw no
     key in either part stay 0 with lse -inf, without producing NaN.
@@ -236,5 +254,5 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     w_old, w_new = torch.exp(lse - m), torch.exp(block_lse - m)  # [b, h, s]
     total = w_old + w_new
     safe = torch.where(total > 0, total, torch.ones_like(total))
-    merged = (out * w_old[..., None] + block_out.float() * w_new[..., None]) / safe[..., None]
+    merged = (out * w_old[..., None] + block_out.to(out.dtype) * w_new[..., None]) / safe[..., None]
     return merged, m + torch.log(total)

@@ -5,7 +5,7 @@ A query at sequence index i may see a key at index j when all of these hold:
   is never a key);
 - both are in the same document of their row (`doc`: packed rows; cross-attention pairs the k-th
   target document with the k-th source document);
-- causal attention: j <= i; sliding window of w: i - j < w (causal only).
+- causal attention: j <= i; sliding window of w: i - j < w (causal), |i - j| < w (bidirectional).
 
 Masks are built from these per forward, never per layer: `full_mask` for the whole sequence (Ulysses
 holds it after its all-to-all), `block_mask` for a block of rows and columns (a ring step).
@@ -41,7 +41,7 @@ class MaskSpec:
     q: SeqMeta
     k: SeqMeta
     causal: bool
-    window: int | None = None  # sliding window (causal only): i - j < window
+    window: int | None = None  # sliding window: i - j < window (causal), |i - j| < window (bidirectional)
 
     @property
     def trivial(self) -> bool:
@@ -65,7 +65,8 @@ class MaskSpec:
         if causal:
             mask = both(mask, q_idx[:, None] >= k_idx[None, :])
         if self.window is not None:
-            mask = both(mask, q_idx[:, None] - k_idx[None, :] < self.window)
+            distance = q_idx[:, None] - k_idx[None, :]
+            mask = both(mask, (distance if self.causal else distance.abs()) < self.window)
         return mask
 
     def full_mask(self, device) -> tuple[torch.Tensor | None, bool]:
@@ -84,9 +85,6 @@ class MaskSpec:
 def check_window(window, causal: bool) -> int | None:
     if window is None:
         return None
-    if not causal:
-        raise NotImplementedError(f"seqpar_hf supports sliding windows on causal attention only (window {window} on "
-                                  "a bidirectional layer)")
     if int(window) <= 0:
         raise ValueError(f"sliding window must be positive, got {window}")
     return int(window)

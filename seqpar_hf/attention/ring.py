@@ -3,9 +3,9 @@ arXiv 2105.13120), load-balanced for causal attention by zigzag sharding.
 
 Each rank keeps its queries and passes its K/V block around the ring with batch_isend_irecv; the
 transfer of the next block overlaps the attention on the current one. Partial results merge with a
-log-sum-exp update in fp32. The backward is a second ring: K/V travel again, together with fp32
-dK/dV accumulators that arrive home after the last step; block gradients are recomputed from the
-final output and log-sum-exp. K/V travel with their own (grouped-query) head count. Every transfer
+log-sum-exp update in fp32 (float64 for float64 inputs). The backward is a second ring: K/V travel
+again, together with fp32 dK/dV accumulators that arrive home after the last step; block gradients are
+recomputed from the final output and log-sum-exp. K/V travel with their own (grouped-query) head count. Every transfer
 is started before the kernel of the step and waited for after it, forward and backward (the
 accumulator of a step included), and no step reads a tensor's value on the host.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .kernels import block_backward, block_forward, merge
+from .kernels import accumulation_dtype, block_backward, block_forward, merge
 from .masks import MaskSpec
 
 
@@ -142,8 +142,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: RingPlan, scale: float, kv_index):
         n, ring = len(plan.ranks), _Ring(plan)
         b, h, s_q, d = q.shape
-        out = torch.zeros(b, h, s_q, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
+        acc_dtype = accumulation_dtype(q.dtype)
+        out = torch.zeros(b, h, s_q, d, dtype=acc_dtype, device=q.device)
+        lse = torch.full((b, h, s_q), float("-inf"), dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v])  # [2, b, h_kv, s_k, d]: one message per step
         for step in range(n):
             pending = ring.start(kv) if step + 1 < n else None
@@ -173,7 +174,8 @@ class RingAttention(torch.autograd.Function):
         n, ring = len(plan.ranks), _Ring(plan)
         heads_kv = k.shape[1]
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc_dtype = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v])  # travels as in the forward
         carried = None  # pending fp32 dK/dV accumulator of the block held at this step
         for step in range(n):
@@ -185,14 +187,14 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb.contiguous(),
                                                   vb.contiguous(), out[:, :, rows].contiguous(),
                                                   lse[:, :, rows].contiguous(), block.bias(q.dtype), block.causal, scale)
-                dq[:, :, rows] += dq_b.float()
+                dq[:, :, rows] += dq_b.to(acc_dtype)
             # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
             # that transfer in flight while the kernel runs (the same additions, in the same order)
-            acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device) if carried is None \
+            acc = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device) if carried is None \
                 else _Ring.wait(carried)
             if block is not None:
-                acc[0][:, :, cols] += _reduce(dk_b.float(), kv_index, heads_kv)
-                acc[1][:, :, cols] += _reduce(dv_b.float(), kv_index, heads_kv)
+                acc[0][:, :, cols] += _reduce(dk_b.to(acc_dtype), kv_index, heads_kv)
+                acc[1][:, :, cols] += _reduce(dv_b.to(acc_dtype), kv_index, heads_kv)
             carried = ring.start(acc)  # to the next rank, who holds this block at the next step
             if pending_kv is not None:
                 kv = _Ring.wait(pending_kv)

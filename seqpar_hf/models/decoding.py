@@ -93,9 +93,11 @@ def deferred_mask(*args, **kwargs) -> DeferredMask:
 
 
 def attend(site, module, query, key, value, attention_mask, step: DecodeStep, dropout, scaling, is_causal,
-           sliding_window, kwargs):
+           sliding_window, window, kwargs):
     """A decoding step's attention at `site`: query [b, h, s_q, d] (replicated), key/value what the module
-    took from its cache -> ([b, s_q, h, d], None), as transformers' attention functions return."""
+    took from its cache -> ([b, s_q, h, d], None), as transformers' attention functions return. The
+    replicated original attention gets the call's own `is_causal` / `sliding_window`; the cache shard the
+    window the unpatched model computes (`window`, which may come from the mask alone)."""
     state = site.state
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     group = step.layout.sp_group
@@ -114,7 +116,7 @@ def attend(site, module, query, key, value, attention_mask, step: DecodeStep, dr
         function = _compat.original_attention_function(module, implementation)
         return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra)
     layer = step.cache.layer(module.layer_idx)  # this rank's shard of the KV cache
-    layer.set_window(sliding_window)
+    layer.set_window(window)
     out = decode.attention(query, key, value, layer.allowed(), scale, group)  # [b, h, s_q, d]
     layer.evict()
     return out.transpose(1, 2), None

@@ -1,14 +1,12 @@
-"""Which transformers models can be sequence-parallel, decided by structure rather than by a list.
+"""Which transformers models can be sequence-parallel, decided by what their code does, never by a list.
 
-A model is patched when its attention layers go through transformers' `AttentionInterface` with
-[b, h, s, d] q/k/v, and its positions are rotary (full or partial, any `rope_type`), absolute
-(learned or sinusoidal, looked up by position id) or none. Causal LMs and encoder-decoder LMs are
-patched as a whole; their backbone (`model.base_model`) also on its own.
-
-Refused, with the structural reason and the fix: relative position biases (T5 family) and ALiBi,
-whose bias spans the whole relative-distance matrix; attention logit soft-capping and attention
-sinks (no sharded kernel for them here); chunked attention; absolute position embeddings that are
-not looked up by position id.
+`inspect_model` checks the structure first (relative position biases, ALiBi, soft-capping, sinks and
+chunked attention in the config; position modules that cannot be looked up by position id), then proves
+the rest with a dry run of the model (models/proof.py, probe.py): the backbone its forward runs, every
+attention call through transformers' `AttentionInterface` (sides, pattern, keywords), its default
+positions, its loss and LM head, and (when the layout splits the sequence) that nothing but attention
+mixes tokens. Causal LMs and encoder-decoder LMs are patched as a whole; their backbones also on their
+own. Every refusal names the module or value, why, and the fix.
 """
 
 from __future__ import annotations
@@ -27,10 +25,11 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attent
 class AttentionModule:
     name: str
     module: nn.Module
-    q_side: str  # "encoder" or "decoder": which sequence the queries come from
-    kv_side: str
+    q_side: str | None  # "encoder" or "decoder": which sequence the queries come from (None: token-local)
+    kv_side: str | None
     heads: int
     kv_heads: int
+    pattern: tuple | None = None  # (causal, window) the unpatched model computes, proven at patch time
 
 
 @dataclass
@@ -50,6 +49,12 @@ class ModelFamily:
     attention: list[AttentionModule]
     positions: list[PositionModule] = field(default_factory=list)
     layer_stacks: list[nn.Module] = field(default_factory=list)  # modules with `layers` (and maybe `layerdrop`)
+    local_attention: list[AttentionModule] = field(default_factory=list)  # token-local calls, run as they are
+    default_positions: str = "arange"  # models/default_positions.py: the positions the backbone makes itself
+    head_post: object = None  # models/head.Post reproducing the model's logits after its head (None: do not tile)
+    layer_inputs: dict = field(default_factory=dict)  # layer path -> its per-token inputs (models/tp_checks.py)
+    inplace_outputs: set = field(default_factory=set)  # nn.Linear paths whose outputs the model writes in place
+    dry_run_seconds: float = 0.0
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -62,35 +67,13 @@ def _refuse(name: str, why: str, fix: str):
     raise ValueError(f"seqpar_hf cannot shard {name}: {why}. {fix}")
 
 
-def _uses_attention_interface(module: nn.Module) -> bool:
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source
-
-
-def _is_attention(path: str, module: nn.Module) -> bool:
-    name = type(module).__name__
-    return name.endswith("Attention") and hasattr(module, "is_causal") and hasattr(module, "config")
-
-
-def _head_counts(module: nn.Module) -> tuple[int, int]:
-    config = module.config
-    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
-    kv = getattr(module, "num_key_value_heads", None)
-    if kv is None and getattr(module, "num_key_value_groups", None):
-        kv = heads // module.num_key_value_groups
-    return int(heads), int(kv or getattr(config, "num_key_value_heads", None) or heads)
-
-
 def _check_structure(model: nn.Module, config, name: str) -> None:
     if any(hasattr(m, "relative_attention_bias") for m in model.modules()) or \
             getattr(config, "relative_attention_num_buckets", None) is not None:
         _refuse(name, "its attention adds a relative position bias computed from the whole query-key distance "
                       "matrix, which no rank holds under sequence parallelism",
                 "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work")
-    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt") or \
+    if getattr(config, "alibi", False) or \
             getattr(config, "position_embedding_type", "absolute") not in ("absolute", "rope", None):
         _refuse(name, "its attention uses ALiBi or relative-key position biases that span the whole sequence",
                 "Use a model with rotary or absolute positions")
@@ -130,8 +113,22 @@ def _inside(module: nn.Module, ancestor: nn.Module) -> bool:
     return any(m is module for m in ancestor.modules())
 
 
-def inspect_model(model: nn.Module) -> ModelFamily:
-    """Find the SP-relevant parts of `model`, or raise a ValueError that names what is wrong and the fix."""
+def pad_token_id(config) -> int:
+    """The pad id: the config's, else its text config's (composite vision / audio + text configs keep it
+    there), else 0."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    for c in (config, text):
+        value = getattr(c, "pad_token_id", None) if c is not None else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def inspect_model(model: nn.Module, split: bool = False, ring: bool = False) -> ModelFamily:
+    """Find the SP-relevant parts of `model`, or raise a ValueError that names what is wrong and the fix.
+    Structure first, then a dry run (models/probe.py) that finds the backbone and every attention call;
+    with `split` (the layout splits the sequence) it also proves that every module computes on a shard
+    what it computes on the full sequence (`ring`: shards in the ring's zigzag order)."""
     pretrained = unwrap(model)
     config = getattr(pretrained, "config", None)
     name = type(pretrained).__name__
@@ -142,43 +139,25 @@ def inspect_model(model: nn.Module) -> ModelFamily:
         raise ValueError(f"{name} uses attn_implementation={attn!r}; seqpar_hf replaces one of "
                          f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (load the model with attn_implementation='sdpa')")
     _check_structure(pretrained, config, name)
-
-    backbone = getattr(pretrained, "base_model", pretrained)
-    has_lm_head = backbone is not pretrained
-    if has_lm_head and pretrained.get_output_embeddings() is None:
+    guess = getattr(pretrained, "base_model", pretrained)
+    if guess is not pretrained and pretrained.get_output_embeddings() is None:
         raise ValueError(f"seqpar_hf patches language models (e.g. LlamaForCausalLM, MarianMTModel) or their "
                          f"backbones (LlamaModel); {name} has a head that is not a language-model head")
     kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
     if kind == "causal" and not getattr(config, "is_causal", True):
         raise ValueError(f"{name} is a bidirectional (encoder-only) model; seqpar_hf shards causal LMs and "
                          "encoder-decoder models")
-    encoder = backbone.get_encoder() if kind == "seq2seq" else None
+    from . import proof  # the dry run imports the forward machinery, which imports this module
+    try:
+        return proof.prove(pretrained, kind, pad_token_id(config), attn, guess, split, ring)
+    except proof.Refusal as refusal:
+        raise ValueError(refusal.message(pretrained)) from None
 
-    attention = []
-    for path, module in backbone.named_modules():
-        if not _is_attention(path, module):
-            continue
-        if not _uses_attention_interface(module):
-            _refuse(name, f"its attention {path} ({type(module).__name__}) does not go through transformers' "
-                          "AttentionInterface", "Use a model whose attention does (most models in transformers 5)")
-        if kind == "causal":
-            q_side = kv_side = "decoder"
-        else:
-            q_side = "encoder" if _inside(module, encoder) else "decoder"
-            kv_side = "encoder" if q_side == "encoder" or not module.is_causal else "decoder"
-        attention.append(AttentionModule(path, module, q_side, kv_side, *_head_counts(module)))
-    if not attention:
-        raise ValueError(f"found no attention modules in {name}")
-    if kind == "causal":  # decided by the layers: BertConfig has no is_causal, BertSelfAttention says False
-        bidirectional = [a.name for a in attention if not a.module.is_causal]
-        if bidirectional:
-            raise ValueError(f"{name} is a bidirectional (encoder-only) model: its self-attention {bidirectional[0]} "
-                             f"(and {len(bidirectional) - 1} more) is not causal (is_causal=False), and its labels are "
-                             "not next-token labels (masked-LM labels would be shifted like a causal LM's); seqpar_hf "
-                             "shards causal LMs and encoder-decoder models")
-    positions = _positions(backbone, kind, name, encoder)
-    if kind == "causal" and "position_ids" not in inspect.signature(backbone.forward).parameters:
-        _refuse(name, "its backbone takes no position_ids, so shards cannot be given their global positions",
-                "Use a model whose forward takes position_ids")
+
+def structure(pretrained, kind: str, backbone) -> tuple[list[PositionModule], list[nn.Module]]:
+    """The position modules and layer stacks of the backbone the dry run found; refuses position modules
+    that cannot get global positions."""
+    encoder = backbone.get_encoder() if kind == "seq2seq" and hasattr(backbone, "get_encoder") else None
+    positions = _positions(backbone, kind, type(pretrained).__name__, encoder)
     stacks = [m for m in backbone.modules() if hasattr(m, "layers") and isinstance(m.layers, nn.ModuleList)]
-    return ModelFamily(kind, pretrained, backbone, has_lm_head, attention, positions, stacks)
+    return positions, stacks

@@ -98,7 +98,8 @@ class BackboneForward(_Wrapper):
             raise NotImplementedError("output_hidden_states is not available with tensor parallelism")
         return_dict = kwargs.pop("return_dict", None)
         shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
-        ctx = shard(layout, kwargs, state.pad_id, local_outputs=request is not None, keep_ids=state.keep_ids)
+        ctx = shard(layout, kwargs, state.pad_id, local_outputs=request is not None, keep_ids=state.keep_ids,
+                    default_positions=state.default_positions)
         if self.takes_kwargs:  # travels with the layers' kwargs (and with gradient checkpointing)
             kwargs[CONTEXT_KWARG] = ctx
         training = family.backbone.training

@@ -23,6 +23,7 @@ from ..attention.masks import SeqMeta
 from ..parallel.layout import ParallelLayout
 from ..parallel.sharding import ShardPlan
 from .context import ForwardContext
+from .default_positions import compute as default_positions_of
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -114,11 +115,18 @@ def _tokens(plan: ShardPlan, kw: dict, ids_key: str, embeds_key: str, pad_id: in
 
 
 def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
-                 keep_ids: bool = False) -> ForwardContext:
-    """Shard a decoder-only backbone's inputs in place; return the forward's context."""
+                 keep_ids: bool = False, default_positions: str = "arange") -> ForwardContext:
+    """Shard a decoder-only backbone's inputs in place; return the forward's context.
+    `default_positions`: the rule the backbone makes its own positions by when given none
+    (models/default_positions.py), applied here to the full batch."""
     b, s, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
+    if layout.sizes.tp_size > 1 and kw.get("inputs_embeds") is not None:
+        raise NotImplementedError("inputs_embeds with tensor parallelism: the vocabulary-parallel embedding is what "
+                                  "splits the sequence over the TP group; pass input_ids (or use tp_size=1)")
     mask = _mask(kw.get("attention_mask"), "attention_mask")
     position_ids = kw.get("position_ids")
+    own = None if position_ids is not None else default_positions_of(default_positions, kw.get("input_ids"), mask,
+                                                                     b, s, pad_id, device)
     cu = kw.pop("cu_seq_lens_q", None)
     for name in FLASH_KWARGS[1:]:
         kw.pop(name, None)
@@ -128,7 +136,7 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s)
     plan = shard_plan(layout, s, causal=True)
-    full_pos, local_pos = _positions(plan, position_ids, device)
+    full_pos, local_pos = _positions(plan, position_ids if own is None else own, device)
     ids = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
     _tokens(plan, kw, "input_ids", "inputs_embeds", pad_id)
     meta = _meta(plan, mask, doc, b, device)
@@ -155,8 +163,9 @@ def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
 
 
 def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
-                  keep_ids: bool = False) -> ForwardContext:
-    """Shard an encoder-decoder backbone's inputs in place; return the forward's context."""
+                  keep_ids: bool = False, default_positions: str = "arange") -> ForwardContext:
+    """Shard an encoder-decoder backbone's inputs in place; return the forward's context (its position
+    modules get their positions from hooks, models/positions.py: `default_positions` does not apply)."""
     b, s_src, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
     _, s_tgt, _ = _size(kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"),
                         "labels, decoder_input_ids or decoder_inputs_embeds")

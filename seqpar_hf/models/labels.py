@@ -29,12 +29,16 @@ def count(kind: str, labels: torch.Tensor) -> torch.Tensor:
 
 def decoder_inputs(model, labels: torch.Tensor, decoder_position_ids=None) -> torch.Tensor:
     """Decoder inputs from the FULL labels, as the model builds them (shifted right, -100 -> pad, the
-    start token first). Packed rows start every pair's target with `decoder_start_token_id`."""
+    start token first). Packed rows (`decoder_position_ids` restarting at 0 for every pair): the model's
+    own builder applied to each pair alone, so each pair starts as the model starts it (mBART: with the
+    pair's language code, its last label); without a builder, with `decoder_start_token_id`."""
     config = model.config
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     start = config.decoder_start_token_id
     if decoder_position_ids is None and prepare is not None:
         return prepare(labels=labels)
+    if prepare is not None:
+        return _per_pair(prepare, labels, decoder_position_ids.expand_as(labels))
     if start is None:
         raise ValueError(f"{type(model).__name__} has no decoder_start_token_id: pass decoder_input_ids with packed "
                          "rows (each pair's target starting with its start token)")
@@ -45,3 +49,22 @@ def decoder_inputs(model, labels: torch.Tensor, decoder_position_ids=None) -> to
     if decoder_position_ids is not None:
         ids = torch.where(decoder_position_ids.expand_as(ids) == 0, torch.full_like(ids, start), ids)
     return ids
+
+
+def _per_pair(prepare, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`prepare` (the model's decoder-input builder) on every pair of packed rows as a row of its own:
+    labels [b, s] -> pairs [n, longest] (-100 after each pair) -> decoder inputs, scattered back."""
+    b, s = labels.shape
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    pair = (starts.long().cumsum(-1) - 1) + torch.arange(b, device=labels.device)[:, None] * s  # [b, s] global id
+    _, row = torch.unique(pair.flatten(), return_inverse=True)  # [b * s] pair index
+    col = positions.flatten()  # position within the pair
+    n, longest = int(row.max()) + 1, int(col.max()) + 1
+    pairs = labels.new_full((n, longest), IGNORE_INDEX)
+    pairs[row, col] = labels.flatten()
+    real = (pairs != IGNORE_INDEX).any(-1)  # pairs of padding only: a builder may not take them (mBART)
+    out = pairs.new_zeros((n, longest))
+    if bool(real.any()):
+        out[real] = prepare(labels=pairs[real])
+    return out[row, col].view(b, s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import torch
 
@@ -20,7 +21,8 @@ from ..attention.ulysses import split_heads
 from ..parallel.comm import all_gather_cat
 from ..parallel import auto
 from ..parallel.layout import ParallelLayout
-from . import positions, tensor_parallel
+from . import positions, tensor_parallel, tp_checks
+from .attention_calls import LocalSite
 from .families import ModelFamily, inspect_model
 from .forwards import BackboneForward, LMForward, _Wrapper
 from .generation import GenerateSP
@@ -55,8 +57,11 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
             return model
         raise ValueError(f"this model is already patched with {state.layout}; call seqpar_hf.unpatch_model(model) "
                          f"before patching it with {layout}")
-    family = inspect_model(model)
-    auto.resolve(layout, [(site.heads, site.kv_heads) for site in family.attention])  # mode="auto": choose now
+    sizes = layout.sizes
+    split = sizes.sp_size * sizes.tp_size > 1
+    family = inspect_model(model, split=split, ring=(sizes.ring_size or 1) > 1)  # ring_size None: mode "auto"
+    if auto.resolve(layout, [(site.heads, site.kv_heads) for site in family.attention]) and layout.sizes.ring_size > 1:
+        family = inspect_model(model, split=split, ring=True)  # "auto" chose a ring: prove its zigzag order too
     tp = layout.sizes.tp_size
     if tiled_loss not in (True, False, "auto"):
         raise ValueError(f"tiled_loss={tiled_loss!r}: use True, False or 'auto'")
@@ -67,8 +72,10 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
         raise ValueError(f"tiled_loss=True with tp_size={tp}: the tiled loss does not work with a tensor-parallel LM "
                          "head (a DTensor module; its logits are gathered whole on every TP rank); use "
                          "tiled_loss='auto' (off under TP) or False")
+    _check_tiled_head(family, tiled_loss)
     if tp > 1:
         tensor_parallel.check(family, layout)
+        tp_checks.check(family, layout)
     for site in family.attention:  # refuse head counts Ulysses cannot split (TP's share), before any forward
         split_heads(site.heads // tp, site.kv_heads // tp, layout.ulysses_size)
     register()
@@ -78,7 +85,9 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     state = PatchState(layout, family, attn_implementation, check_inputs,
                        TiledLoss(tiled_loss, tiled_min_elements, tiled_chunk_elements))
     for site in family.attention:
-        set_site(site.module, AttentionSite(state, site.name, site.q_side, site.kv_side))
+        set_site(site.module, AttentionSite(state, site.name, site.q_side, site.kv_side, site.pattern))
+    for site in family.local_attention:
+        set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))
     if family.has_lm_head and lm_loss:
@@ -91,6 +100,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     pretrained.set_attn_implementation(ATTN_NAME)
     if tp > 1:
         tensor_parallel.parallelize(family, layout)
+        tp_checks.complete(family, layout, tensor_parallel._AllReduceGrad)
     return model
 
 
@@ -110,7 +120,7 @@ def unpatch_model(model):
     for handle in state.hooks:
         handle.remove()
     state.layerdrop.remove()
-    for site in family.attention:
+    for site in family.attention + family.local_attention:
         set_site(site.module, None)
     for obj, name, had, previous in reversed(state.replaced):
         current = obj.__dict__.get(name)
@@ -175,6 +185,19 @@ def original_attn_implementation(model) -> str | None:
     """The attention implementation a patched model had before patching (None: not patched)."""
     state = state_of(model)
     return None if state is None else state.attn_implementation
+
+
+def _check_tiled_head(family: ModelFamily, tiled_loss) -> None:
+    """The tiled loss reproduces what the forward does after the LM head only where the dry run proved it
+    (models/head.py); otherwise it is refused (True) or not used (auto, with a warning)."""
+    if not family.has_lm_head or family.head_post is not None or tiled_loss is False:
+        return
+    why = (f"{type(family.pretrained).__name__}'s forward post-processes the LM head's output in a way the tiled loss "
+           "does not reproduce (checked on the dry run's logits)")
+    if tiled_loss is True:
+        raise ValueError(f"tiled_loss=True: {why}; use tiled_loss=False")
+    warnings.warn(f"seqpar_hf: {why}; the loss is computed from full logits (tiled_loss='auto' does not tile this "
+                  "model)", stacklevel=3)
 
 
 def _replace(state: PatchState, obj, name: str, value) -> None:

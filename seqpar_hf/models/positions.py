@@ -59,14 +59,26 @@ class PositionIdsHook:
     Some of these modules add a batch dim themselves (BART: `position_ids.unsqueeze(0)`); the hook
     folds a per-row result back to [b, s_loc, d]."""
 
-    def __init__(self, state, side: str):
+    def __init__(self, state, side: str, module=None):
         self.state, self.side = state, side
+        names = list(inspect.signature(module.forward).parameters) if module is not None else []
+        self.position_index = names.index("position_ids") if "position_ids" in names else None
 
     def pre(self, module, args, kwargs):
         ctx = self.state.active
         if ctx is not None:
             positions = ctx.positions[self.side]  # [b or 1, s_loc]
-            kwargs["position_ids"] = positions[0] if positions.shape[0] == 1 else positions
+            i = getattr(self, "position_index", None)
+            positional = i is not None and len(args) > i and "position_ids" not in kwargs  # XGLM passes them so
+            given = args[i] if positional else kwargs.get("position_ids")
+            if isinstance(given, torch.Tensor) and given.dim() == 2:  # keep the [rows, s] the model passes
+                positions = positions.expand(given.shape[0], -1) if positions.shape[0] == 1 else positions
+            elif positions.shape[0] == 1:
+                positions = positions[0]
+            if positional:
+                args = (*args[:i], positions, *args[i + 1:])
+            else:
+                kwargs["position_ids"] = positions
         return args, kwargs
 
     def post(self, module, args, kwargs, output):
@@ -119,7 +131,7 @@ def install(state, family, pad_id: int) -> list:
             handles.append(module.register_forward_pre_hook(hook.pre, with_kwargs=True))
             handles.append(module.register_forward_hook(hook.post, with_kwargs=True))
         elif pos.kind == "ids":
-            hook = PositionIdsHook(state, pos.side)
+            hook = PositionIdsHook(state, pos.side, module)
             handles.append(module.register_forward_pre_hook(hook.pre, with_kwargs=True))
             handles.append(module.register_forward_hook(hook.post, with_kwargs=True))
         else:

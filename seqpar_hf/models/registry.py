@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..attention.mask_patterns import read_function
 from . import decoding
+from .attention_calls import resolve
 from .context import CONTEXT_KWARG, DecodeStep
 from .state import ATTN_DECODE_NAME, ATTN_NAME, site_of
 
@@ -40,26 +41,17 @@ _CHECKED: set = set()  # mask functions (by _pattern_key) already found acceptab
 
 
 def _check_mask_pattern(mask_function) -> None:
-    """Refuse mask patterns other than causal, bidirectional and causal sliding-window. The pattern is
-    read off the function on a small grid of CPU tensors, once per kind of mask function."""
+    """Refuse mask patterns other than causal, bidirectional and sliding-window (causal or bidirectional):
+    read off the function exactly (attention/mask_patterns.py), once per kind of mask function."""
     key = _pattern_key(mask_function)
     if key is not None and key in _CHECKED:
         return
-    n = 12
-    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    try:
-        got = torch.as_tensor(mask_function(torch.tensor(0), torch.tensor(0), q, kv)).expand(n, n)
-    except Exception:  # noqa: BLE001 - an unreadable pattern is refused below
-        got = None
-    if got is not None:
-        tril = kv <= q
-        seen = int((got & tril)[-1].sum())  # keys the last query sees: the window, if any
-        if bool(got.all()) or torch.equal(got, tril) or torch.equal(got, tril & (q - kv < seen)):
-            if key is not None:
-                _CHECKED.add(key)
-            return
+    if read_function(mask_function) is not None:
+        if key is not None:
+            _CHECKED.add(key)
+        return
     name = getattr(mask_function, "__name__", type(mask_function).__name__)
-    raise NotImplementedError(f"seqpar_hf shards causal, bidirectional and causal sliding-window attention; this model "
+    raise NotImplementedError(f"seqpar_hf shards causal, bidirectional and sliding-window attention; this model "
                               f"asked for another mask pattern ({name!r}: chunked, prefix or custom masks are not "
                               "supported)")
 
@@ -81,6 +73,9 @@ def sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
         raise RuntimeError(f"{type(module).__name__} has attn_implementation={ATTN_NAME!r} but was not patched by "
                            "seqpar_hf.patch_model (a model rebuilt from a patched config?); build it from the "
                            "original config, or patch the model itself")
+    if site.local:  # attention over a token's own states, not along the sequence: as the unpatched model
+        return site(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                    sliding_window=sliding_window, **kwargs)
     ctx = kwargs.get(CONTEXT_KWARG) or site.state.active or site.state.step
     if ctx is None:
         raise RuntimeError(
@@ -90,16 +85,13 @@ def sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
             f"or call seqpar_hf.unpatch_model(model) first")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions is not available under sequence parallelism")
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{site.name}: attention soft-capping and sinks are not supported under sequence "
-                                  "parallelism")
+    causal, window = resolve(site, module, is_causal, sliding_window, kwargs)  # refuses keywords it would drop
     if isinstance(ctx, DecodeStep):  # a decoding step of generation under SP: nothing is sharded in it
         return decoding.attend(site, module, query, key, value, attention_mask, ctx, dropout, scaling, is_causal,
-                               sliding_window, kwargs)
-    causal = bool(module.is_causal if is_causal is None else is_causal)
-    out = site.attend(ctx, query, key, value, causal, sliding_window, scaling, dropout)  # [b, h, s_q/sp, d]
+                               sliding_window, window, kwargs)
+    out = site.attend(ctx, query, key, value, causal, window, scaling, dropout)  # [b, h, s_q/sp, d]
     if site.state.decoding is not None:  # the prompt's forward of generation: trim this layer's cache shard
-        decoding.after_prefill_attention(site.state, module, sliding_window)
+        decoding.after_prefill_attention(site.state, module, window)
     return out.transpose(1, 2), None  # [b, s_q/sp, h, d]
 
 

@@ -13,7 +13,7 @@ from ..attention import dispatch
 from ..parallel.layout import ParallelLayout
 from ..parallel.sharding import ShardPlan
 from .context import ForwardContext
-from .families import ModelFamily, unwrap
+from .families import ModelFamily, pad_token_id, unwrap
 from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .rng import LayerDropSync
 
@@ -41,10 +41,14 @@ class Request:
 
 
 class AttentionSite:
-    """One attention module of a patched model: which sequences its queries and keys come from."""
+    """One attention module of a patched model: which sequences its queries and keys come from, and the
+    pattern (causal, window) the unpatched model computes there (proven at patch time; None: from the
+    call's keywords)."""
 
-    def __init__(self, state: "PatchState", name: str, q_side: str, kv_side: str):
-        self.state, self.name, self.q_side, self.kv_side = state, name, q_side, kv_side
+    local = False  # models/attention_calls.LocalSite: token-local calls that run as they are
+
+    def __init__(self, state: "PatchState", name: str, q_side: str, kv_side: str, pattern: tuple | None = None):
+        self.state, self.name, self.q_side, self.kv_side, self.pattern = state, name, q_side, kv_side, pattern
 
     def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout):
         """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""
@@ -58,8 +62,8 @@ class PatchState:
                  tiled: TiledLoss):
         self.layout, self.family, self.attn_implementation = layout, family, attn_implementation
         self.check_inputs, self.tiled = check_inputs, tiled
-        config = family.pretrained.config
-        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        self.pad_id = pad_token_id(family.pretrained.config)
+        self.default_positions = family.default_positions  # the positions the backbone makes itself
         self.keep_ids = any(p.kind == "m2m100" for p in family.positions)
         # The sharded backbone forward running now. Position modules read it from their hooks: transformers
         # calls them with no way to pass the context along (the layers get it through their kwargs).

@@ -67,6 +67,8 @@ def run_case(case: dict) -> dict:
     if family in SEQ2SEQ:
         lengths = MANY_PAIRS if many else PAIR_LENGTHS
         batch = seq2seq_packed_batch(7, 160 if many else 12, lengths)
+        if case.get("model_decoder_inputs"):  # the model builds each pair's decoder inputs (mBART: its last label)
+            batch = {k: v for k, v in batch.items() if k != "decoder_input_ids"}
         loss = model(**batch).loss
         pairs = seq2seq_pairs(7, lengths)
         tokens = sum(len(t) for _, t in pairs)
@@ -109,7 +111,9 @@ def _cases(sp: int, modes) -> list[dict]:
                   dict(base, name=f"{tag}-llama-many-documents", family="llama", many=True),
                   dict(base, name=f"{tag}-mistral-window-3-many-documents", family="mistral",
                        model=dict(sliding_window=3), many=True),
-                  dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True)]
+                  dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True),
+                  dict(base, name=f"{tag}-mbart-decoder-inputs-from-labels", family="mbart",
+                       model_decoder_inputs=True)]
     return cases
 
 

@@ -36,11 +36,13 @@ def _grad_errors(patched, reference) -> tuple[float, str]:
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
     overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels
-    instead of loss + gradients)."""
+    instead of loss + gradients), float64 (the model in float64)."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
                                       ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
+    if case.get("float64"):  # the ring's math path (the fused CPU kernel takes no float64)
+        model = model.double()
     reference = copy.deepcopy(model)
     if case.get("checkpointing"):
         model.gradient_checkpointing_enable()
@@ -178,6 +180,7 @@ def _cases_world2():
         ]
         cases += _coverage_cases(base, tag)
         cases += _tiled_cases(base, tag)
+    cases += [dict(sp=2, mode="ring", name=f"ring-{f}-float64", family=f, float64=True) for f in ("llama", "marian")]
     return cases
 
 

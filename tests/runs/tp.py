@@ -122,6 +122,14 @@ def refusals() -> dict:
             out[name] = None
         except ValueError as exc:
             out[name] = str(exc)
+    model = seqpar_hf.patch_model(build_model("llama"), layout)
+    batch = make_batch("llama", seed=1)
+    embeds = torch.zeros(*batch["input_ids"].shape, model.config.hidden_size)
+    try:  # refused in the forward, on every rank alike (every rank of the replica has the same batch)
+        model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out["inputs-embeds"] = None
+    except NotImplementedError as exc:
+        out["inputs-embeds"] = str(exc)
     try:
         seqpar_hf.ParallelLayout(sp_size=2, tp_size=2)
         out["world"] = None

@@ -1,0 +1,276 @@
+"""Patch only what is proven: a dry run of the model at `patch_model`, on a tiny batch, locally and
+identically on every rank (no process group), leaving the model, its RNG streams and caches as they were.
+
+1. The full run: the language model's own forward on the whole batch, every attention call through
+   transformers' AttentionInterface replaced by a token-local stand-in (models/dryrun.py). It shows
+   which module the forward runs as its backbone (the one module it calls that holds every attention
+   call), what each attention call passes (its keywords, the mask pattern it is given, which sequence
+   its queries and keys come from), and the model's own logits for the tiled-loss check.
+2. The shard runs: the backbone on each shard of a 2-way split, its inputs sharded exactly as the patched
+   forward shards them and the patch's position hooks installed, in eval and in training mode. With
+   attention token-local, every other module must compute on a shard what it computes at the same
+   tokens of the full sequence; the innermost module that does not (its inputs agree, its outputs do
+   not) mixes tokens outside attention (a convolution, a scan, a recurrence, attention written by hand,
+   positions made from the whole batch): the model is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..parallel.sharding import ShardPlan
+from . import dryrun, positions as positions_
+from .context import CONTEXT_KWARG
+from .inputs import shard_causal, shard_seq2seq
+from .probe_checks import Refusal, culprits, describe_culprit, loss_convention, tolerance
+
+CAUSAL_LENGTH, SOURCE_LENGTH, TARGET_LENGTH, BATCH, LEFT_PAD = 25, 25, 21, 2, 3
+# 25 / 21 tokens and their shards (13, 11, 14, 12) are sizes no tiny or real model uses for a hidden dim
+
+
+@dataclass
+class Observed:
+    """What the dry run saw: the module the forward runs as its backbone and every attention call."""
+
+    backbone: nn.Module
+    backbone_name: str
+    calls: list[dict]
+    default_positions: str = "arange"
+    head_logits: tuple | None = None  # (output embeddings input, the model's logits) for the tiled-loss check
+    loss_convention: str | None = None  # "shift" / "same" / "other": how the model's own loss reads its labels
+    inplace: set = field(default_factory=set)  # nn.Linear modules whose outputs the model modifies in place
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+class _Layout(SimpleNamespace):
+    """The sizes a shard plan reads off a layout, for a simulated split (no process group)."""
+
+
+def _sim_layout(rank: int, ring: bool) -> _Layout:
+    return _Layout(sp_size=2, sp_rank=rank, sizes=SimpleNamespace(ring_size=2 if ring else 1, tp_size=1))
+
+
+def _token_ids(model, config, length: int, seed: int) -> torch.Tensor:
+    """[BATCH, length] ordinary token ids: none of the config's special or modality ids."""
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config.get_text_config().vocab_size
+    special = set()
+    for c in _all_configs(config):
+        for key, value in c.__dict__.items():
+            if key.endswith(("_token_id", "_token_index", "_token_ids", "_id")):
+                special.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    allowed = torch.tensor([i for i in range(3, min(vocab, 1024)) if i not in special] or [vocab - 1])
+    g = torch.Generator().manual_seed(seed)
+    return allowed[torch.randint(len(allowed), (BATCH, length), generator=g)]
+
+
+def _all_configs(config):
+    out, todo = [], [config]
+    while todo:
+        c = todo.pop()
+        if c is None or any(c is o for o in out):
+            continue
+        out.append(c)
+        todo += [getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {}]
+    return out
+
+
+def _batch(model, config, kind: str, pad_id: int, device) -> dict:
+    """Row 1 of the source (causal: of the sequence) left-padded by LEFT_PAD tokens."""
+    length = SOURCE_LENGTH if kind == "seq2seq" else CAUSAL_LENGTH
+    ids = _token_ids(model, config, length, 0)
+    mask = torch.ones_like(ids)
+    mask[1, :LEFT_PAD] = 0
+    ids[mask == 0] = pad_id
+    batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    if kind == "seq2seq":
+        batch["decoder_input_ids"] = _token_ids(model, config, TARGET_LENGTH, 1).to(device)
+    return batch
+
+
+def _named(forward, args: tuple, kwargs: dict) -> dict:
+    params = [n for n, p in inspect.signature(forward).parameters.items()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {**dict(zip(params, args)), **kwargs}
+
+
+def _run(root: nn.Module, call, lengths: dict, names: dict, original, full: bool, training: bool, log_ops: bool):
+    """One forward of `root` under the stand-in attention: (recorder, run, output, error)."""
+    root.train(training)
+    recorder = dryrun.Recorder(root, lengths, BATCH)
+    run = dryrun.Run(names, lengths, original, full)
+    out, error = None, None
+    try:
+        with dryrun.running(run), dryrun.Determinism(recorder if log_ops else None):
+            out = call()
+    except Exception as exc:  # noqa: BLE001 - reported as a refusal naming where it failed
+        error = (exc, [n for n in (recorder.innermost,) if n is not None])
+    finally:
+        recorder.remove()
+    return recorder, run, out, error
+
+
+def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None, guess: nn.Module) -> Observed:
+    """The full run (eval): backbone, attention calls, the model's logits."""
+    start = time.perf_counter()
+    dryrun.register()
+    device = next((p.device for p in pretrained.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    batch = _batch(pretrained, pretrained.config, kind, pad_id, device)
+    lengths = {CAUSAL_LENGTH: "decoder"} if kind == "causal" else {SOURCE_LENGTH: "encoder", TARGET_LENGTH: "decoder"}
+    names = {m: n for n, m in pretrained.named_modules(remove_duplicate=False)}
+    head = pretrained.get_output_embeddings()  # None: the backbone itself was given
+    captured = {}
+    handle = head.register_forward_hook(lambda m, a, o: captured.update(hidden=a[0], raw=o)) if head is not None \
+        else None
+    kwargs = dict(batch, return_dict=True)
+    if "use_cache" in inspect.signature(pretrained.forward).parameters:
+        kwargs["use_cache"] = False
+    labels = None
+    if head is not None:  # the model's own loss on the same forward, for the loss-convention check
+        labels = batch["decoder_input_ids"].clone() if kind == "seq2seq" else \
+            batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    try:
+        pretrained.set_attn_implementation(dryrun.STAND_IN)
+        for given in ((labels, None) if labels is not None else (None,)):
+            recorder, run, out, error = _run(pretrained, lambda: pretrained(**kwargs, **({"labels": given} if given
+                                                                                           is not None else {})),
+                                             lengths, names, dryrun.original_function(original), True, False,
+                                             log_ops=False)
+            if error is None:
+                labels = given
+                break
+    finally:
+        if handle is not None:
+            handle.remove()
+    if error is not None:
+        exc, stack = error
+        raise Refusal(stack[-1] if stack else "", "fails in a plain forward on a tiny batch (the dry run): "
+                      f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+                      "This model cannot be checked, so it is not patched")
+    sequence = [c for c in run.attention if c["q_side"] is not None]
+    backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
+    backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
+    observed = Observed(backbone, backbone_name, run.attention)
+    # what the backbone was called with (the backbone itself: what the dry run passed it)
+    called = _named(backbone.forward, *backbone_call[1:]) if backbone_call else dict(kwargs)
+    observed.full = (recorder, batch, lengths, called)
+    if head is not None and "hidden" in captured and getattr(out, "logits", None) is not None:
+        observed.head_logits = (captured["hidden"], out.logits)
+        observed.loss_convention = loss_convention(pretrained, labels, out)
+    observed.inplace = {n for n, t, version in recorder.linear_outputs if t._version != version}
+    observed.seconds = time.perf_counter() - start
+    return observed
+
+
+def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
+    """(name, (name, args, kwargs) of its call) of the module the forward runs as its backbone: the one
+    module the language model calls itself that holds every attention call along the sequence."""
+    if pretrained.get_output_embeddings() is None:
+        return "", None  # the backbone itself was given
+    attention = {c["module"] for c in sequence}
+    top = [(n, a, k) for n, a, k in recorder.top]
+    holding = [t for t in top if attention and all(a == t[0] or a.startswith(t[0] + ".") for a in attention)]
+    if holding:
+        return holding[0][0], holding[0]
+    with_attention = sorted({t[0] for t in top if any(a.startswith(t[0] + ".") for a in attention)})
+    if len(with_attention) > 1:
+        listed = ", ".join(f"{n} ({type(pretrained.get_submodule(n)).__name__})" for n in with_attention)
+        raise Refusal("", f"runs attention in several modules it calls itself ({listed}), not inside one "
+                      "backbone", "seqpar_hf shards the sequence in one backbone forward: use a model whose forward "
+                      "runs one backbone (e.g. the decoder's own *ForCausalLM)")
+    # no attention through the interface: the module the forward calls that embeds the tokens (the shard
+    # runs then name what mixes them)
+    embeddings = pretrained.get_input_embeddings()
+    for t in top:
+        if t[0] and any(m is embeddings for m in pretrained.get_submodule(t[0]).modules()):
+            return t[0], t
+    raise Refusal("", "calls no module that embeds its tokens and attends through transformers' AttentionInterface",
+                  "Use a model whose attention does")
+
+
+def shard_check(pretrained, observed: Observed, kind: str, family_positions: list, pad_id: int, ring: bool,
+                original: str | None) -> None:
+    """Refuse (Refusal) unless every module of the backbone computes on a shard what it computes on the
+    same tokens of the full sequence, in eval and in training mode."""
+    recorder, batch, lengths, backbone_kwargs = observed.full
+    backbone, prefix = observed.backbone, observed.backbone_name
+    names = {m: n for n, m in backbone.named_modules(remove_duplicate=False)}
+    fn = dryrun.original_function(original)
+    shard = shard_seq2seq if kind == "seq2seq" else shard_causal
+    params = inspect.signature(backbone.forward).parameters
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
+    for training in (False, True):
+        if training:  # the full run again, in training mode (capacity-limited routing, batch statistics, ...)
+            recorder, _, _, error = _run(backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn, True,
+                                         True, log_ops=False)
+            full_calls = recorder.calls
+            if error is not None:
+                raise Refusal(_path(prefix, error[1][-1] if error[1] else ""), "fails in a training-mode forward on a "
+                              "tiny batch: "
+                              f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}", "")
+        else:
+            full_calls = {_relative(prefix, n): v for n, v in recorder.calls.items()}  # names in the backbone
+            full_calls.pop(None, None)
+        for rank in (0, 1):
+            kw = dict(backbone_kwargs)
+            ctx = shard(_sim_layout(rank, ring), kw, pad_id, local_outputs=True, keep_ids=True,
+                        default_positions=observed.default_positions)
+            if takes_kwargs:
+                kw[CONTEXT_KWARG] = ctx
+            else:  # a backbone without position_ids (refused for it): what it takes
+                kw = {k: v for k, v in kw.items() if k in params}
+            state = SimpleNamespace(active=ctx)
+            hooks = positions_.install(state, SimpleNamespace(positions=family_positions), pad_id)
+            local = {meta.plan.local_length: side for side, meta in ctx.seqs.items()}
+            try:
+                shard_rec, _, _, error = _run(backbone, lambda: backbone(**kw), local, names, fn, False, training,
+                                              log_ops=True)
+            finally:
+                for h in hooks:
+                    h.remove()
+            if error is not None:
+                where = _path(prefix, error[1][-1] if error[1] else "")
+                raise Refusal(where, f"fails on a shard of the sequence ({type(error[0]).__name__}: "
+                              f"{str(error[0]).splitlines()[0][:160]}): it cannot run on part of the sequence",
+                              "Train it without sequence parallelism")
+            keep = _keep(ctx, lengths, batch, kind)
+            found = culprits(full_calls, shard_rec.calls, keep, tolerance(dtype))
+            if found:
+                name, clean = found[0]
+                module = backbone.get_submodule(name) if name else backbone
+                path = _path(prefix, name)
+                raise Refusal(path, describe_culprit(module, clean, shard_rec.ops, name), "")
+
+
+def _relative(prefix: str, name: str) -> str | None:
+    """A module path relative to the backbone at `prefix` (None: outside it)."""
+    if not prefix:
+        return name
+    return "" if name == prefix else (name[len(prefix) + 1:] if name.startswith(prefix + ".") else None)
+
+
+def _path(prefix: str, name: str) -> str:
+    """A backbone-relative module path, relative to the language model."""
+    return f"{prefix}.{name}".strip(".")
+
+
+def _keep(ctx, lengths: dict, batch: dict, kind: str) -> dict:
+    """side -> (full-run token indices, this shard's local indices) of the real tokens it holds."""
+    out = {}
+    mask = batch["attention_mask"].bool().all(0)  # tokens real in every row
+    for side, meta in ctx.seqs.items():
+        plan: ShardPlan = meta.plan
+        index = plan.global_index(device=mask.device)
+        local = torch.arange(index.numel(), device=mask.device)
+        real = index < plan.length
+        if side == ("encoder" if kind == "seq2seq" else "decoder"):
+            real = real & mask[index.clamp(max=plan.length - 1)]
+        out[side] = (index[real].cpu(), local[real].cpu())
+    return out

@@ -1,0 +1,221 @@
+"""Tier 1 (no process group): the patch-time dry run (seqpar_hf/models/probe.py) on tiny models of the zoo
+(conformance/tiny.py). Refusals name the module, its class, why, and the fix; what the dry run proves
+(backbone, attention sides and patterns, default positions, the LM head's post-processing) is what the
+model computes; and the model, its RNG streams and its configs are left exactly as they were.
+Multi-rank parity of each fix: the zoo sample (tests/test_zoo_sample.py, conformance/sample.py)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import seqpar_hf
+from conformance.tiny import build_tiny
+from seqpar_hf.attention.mask_patterns import read_function, read_tensor
+from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+from seqpar_hf.models.families import inspect_model
+from seqpar_hf.parallel.sharding import ShardPlan
+
+FIX = "Train it without sequence parallelism"
+
+
+def _model(model_type: str, class_name: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_tiny(model_type, class_name)[0]
+
+
+@pytest.mark.parametrize("model_type,class_name,expected", [
+    ("lfm2", "Lfm2ForCausalLM", ["model.layers.0.conv (Lfm2ShortConv) runs a convolution along the sequence", FIX]),
+    ("jamba", "JambaForCausalLM", ["model.layers.0.mamba (JambaMambaMixer)", FIX]),
+    ("qwen3_next", "Qwen3NextForCausalLM", ["model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)", FIX]),
+    ("mamba", "MambaForCausalLM", ["backbone.layers.0.mixer (MambaMixer)", FIX]),
+    ("rwkv", "RwkvForCausalLM", ["rwkv.blocks.0.attention.time_shift (ZeroPad2d)", FIX]),
+    ("openai-gpt", "OpenAIGPTLMHeadModel",
+     ["transformer.h.0.attn (Attention) computes attention itself", "not through transformers' AttentionInterface"]),
+    ("nllb-moe", "NllbMoeForConditionalGeneration",
+     ["(NllbMoeTop2Router) decides for each token from the batch's other tokens", "capacity", FIX]),
+    ("deepseek_v32", "DeepseekV32ForCausalLM",
+     ["model.layers.0.self_attn (DeepseekV32Attention) passes indices=", "does not honour", FIX]),
+    ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ["(MiniMaxM3VLAttention) passes block_indices=", FIX]),
+    ("inkling_text", "InklingForCausalLM", ["model.layers.0.self_attn (InklingAttention) passes position_bias="]),
+    ("doge", "DogeForCausalLM", ["model.layers.0.self_attn (DogeAttention) is given a pattern other than causal"]),
+    ("encoder-decoder", "EncoderDecoderModel", ["several modules it calls itself", "decoder (BertLMHeadModel)",
+                                                "encoder (BertModel)"]),
+    ("whisper", "WhisperForCausalLM", ["against the label at the same position (no shift)", "lm_loss=False"]),
+    ("marian:decoder_is_causal_false", "MarianMTModel",
+     ["model.decoder.layers.0.self_attn (MarianAttention) says is_causal=False but is given a causal mask",
+      "Make the module's is_causal agree"]),
+])
+def test_refusal_names_the_module_why_and_the_fix(model_type, class_name, expected):
+    model = _model(model_type, class_name)
+    with pytest.raises(ValueError) as info:
+        inspect_model(model, split=True)
+    message = str(info.value)
+    assert message.startswith(f"seqpar_hf cannot shard {type(model).__name__}: "), message
+    for part in expected:
+        assert part in message, message
+
+
+def _state(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()}, [m.training for m in model.modules()],
+            {n: dict(vars(m)) for n, m in model.named_modules()}, torch.get_rng_state(),
+            copy.deepcopy(model.config.to_dict()), model.config._attn_implementation)
+
+
+@pytest.mark.parametrize("model_type,class_name", [("llama", "LlamaForCausalLM"),
+                                                   ("nllb-moe", "NllbMoeForConditionalGeneration"),
+                                                   ("lfm2", "Lfm2ForCausalLM"), ("roberta", "RobertaForCausalLM")])
+def test_dry_run_leaves_model_rng_and_config_untouched(model_type, class_name):
+    """NLLB-MoE's router stores its capacity on itself in forward; RoBERTa's buffers; refused or not."""
+    model = _model(model_type, class_name)
+    model.train()
+    model.get_output_embeddings().eval()  # mixed modes survive
+    before = _state(model)
+    try:
+        inspect_model(model, split=True)
+    except ValueError:
+        pass
+    after = _state(model)
+    assert before[0].keys() == after[0].keys() and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert before[1] == after[1]
+    for name, attrs in before[2].items():
+        now = after[2][name]
+        assert attrs.keys() == now.keys(), name
+        assert all(now[k] is v or now[k] == v for k, v in attrs.items()
+                   if not isinstance(v, torch.Tensor) and k not in ("_forward_hooks", "_forward_pre_hooks")), name
+    assert torch.equal(before[3], after[3])
+    assert before[4] == after[4] and before[5] == after[5]
+
+
+def test_what_the_dry_run_proves():
+    longcat = inspect_model(_model("longcat_flash", "LongcatFlashForCausalLM"), split=True)
+    assert any(site.name.startswith("layers.0.self_attn") for site in longcat.attention)  # MLA, not "*Attention"
+    qwen2_moe = inspect_model(_model("qwen2_moe", "Qwen2MoeForCausalLM"), split=True)
+    assert {site.name: site.pattern for site in qwen2_moe.attention} == {  # window read off the mask function
+        "layers.0.self_attn": (True, 4), "layers.1.self_attn": (True, None)}
+    t5gemma = inspect_model(_model("t5gemma:no_softcap", "T5GemmaForConditionalGeneration"), split=True)
+    patterns = {(s.q_side, s.kv_side, s.pattern) for s in t5gemma.attention}
+    assert ("encoder", "encoder", (False, 5)) in patterns  # |i - j| <= 4: bidirectional window
+    marian = inspect_model(_model("marian:decoder_is_causal_false_eager", "MarianMTModel"), split=True)
+    decoder_self = [s for s in marian.attention if s.name == "decoder.layers.0.self_attn"][0]
+    assert (decoder_self.q_side, decoder_self.kv_side, decoder_self.pattern) == ("decoder", "decoder", (True, None))
+    assert inspect_model(_model("opt", "OPTForCausalLM"), split=True).backbone.__class__.__name__ == "OPTDecoder"
+    assert inspect_model(_model("mllama", "MllamaForCausalLM"), split=True).backbone.__class__.__name__ == \
+        "MllamaTextModel"
+    assert inspect_model(_model("roberta", "RobertaForCausalLM"), split=True).default_positions == "padding_aware"
+    assert inspect_model(_model("opt", "OPTForCausalLM"), split=True).default_positions == "mask_cumsum"
+    assert inspect_model(_model("llama", "LlamaForCausalLM"), split=True).default_positions == "arange"
+
+
+def test_a_backbone_alone_is_proven_the_same_way():
+    assert inspect_model(_model("roberta", "RobertaForCausalLM").base_model, split=True).default_positions == \
+        "padding_aware"
+    with pytest.raises(ValueError, match=r"Lfm2Model: layers\.0\.conv \(Lfm2ShortConv\) runs a convolution"):
+        inspect_model(_model("lfm2", "Lfm2ForCausalLM").base_model, split=True)
+
+
+def test_composite_config_pad_id_from_text_config():
+    model = _model("codegen", "CodeGenForCausalLM")  # CodeGenConfig defines no pad_token_id
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    assert seqpar_hf.is_patched(model)
+
+
+def test_tiled_loss_reproduces_a_head_that_multiplies_by_logits_scaling():
+    """HyperCLOVA X multiplies its logits by logits_scaling where Granite divides: checked, not guessed."""
+    model = _model("hyperclovax", "HyperCLOVAXForCausalLM")
+    model.config.logits_scaling = 0.25
+    reference = copy.deepcopy(model)
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss=True)
+    batch = {"input_ids": torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+    out, expected = model(**batch), reference(**batch)
+    assert out.logits is None  # tiled
+    out.loss.backward(), expected.loss.backward()
+    assert abs(out.loss.item() - expected.loss.item()) <= 1e-5 * expected.loss.item()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_tiled_loss_refused_or_off_where_the_head_is_not_reproduced():
+    model = _model("llama", "LlamaForCausalLM")
+    forward = model.forward
+
+    def squared_logits(labels=None, **kwargs):  # a post-processing no candidate reproduces
+        out = forward(**kwargs)
+        out.logits = out.logits ** 2
+        if labels is not None:
+            out.loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return out
+
+    model.forward = squared_logits
+    with pytest.raises(ValueError, match="post-processes the LM head's output.*use tiled_loss=False"):
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss=True)
+    with pytest.warns(UserWarning, match="does not tile this model"):
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1), tiled_loss="auto")
+
+
+def test_mask_patterns_read_exactly():
+    from transformers import masking_utils as m
+    assert read_function(m.causal_mask_function) == (True, None)
+    assert read_function(m.bidirectional_mask_function) == (False, None)
+    assert read_function(m.sliding_window_causal_mask_function(131072)) == (True, 131072)  # any window size
+    assert read_function(m.sliding_window_bidirectional_mask_function(3)) == (False, 4)  # |i - j| <= 3
+    assert read_function(m.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))) is None
+    keys, rows = torch.ones(1, 6, dtype=torch.bool), torch.ones(1, 6, dtype=torch.bool)
+    causal = torch.ones(6, 6).tril().bool()[None, None]
+    assert read_tensor(causal, keys, rows) == (True, None)
+    bias = torch.where(causal, torch.randn(1, 1, 6, 6), torch.finfo(torch.float32).min)
+    assert read_tensor(bias, keys, rows) is None  # learned additive values: a bias, not a pattern
+
+
+def test_bidirectional_window_mask():
+    plan = ShardPlan.build(7, 1, 0)
+    meta = SeqMeta(plan, None, None)
+    mask = MaskSpec(meta, meta, causal=False, window=3).block_mask(torch.arange(7), torch.arange(7))
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    assert torch.equal(mask, (i - j).abs() < 3)
+
+
+class _DepthwiseMix(torch.nn.Module):
+    """Attention through the interface over each token's two copies of its hidden state (not along the
+    sequence, as Inkling 2's block-attention residuals): token-local, so it runs as it is."""
+
+    def __init__(self, config, mlp):
+        super().__init__()
+        self.config, self.mlp, self.is_causal, self.num_key_value_groups = config, mlp, False, 1
+        self.query = torch.nn.Parameter(torch.randn(config.hidden_size) * 0.1)
+
+    def forward(self, x):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        states = torch.stack([x, self.mlp(x)], dim=-2)  # [b, s, 2, h]: "heads" b, s; "keys" the 2 copies
+        query = self.query.expand(*x.shape[:-1], 1, -1)  # [b, s, 1, h]
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, _ = attend(self, query, states, states, None, scaling=x.shape[-1] ** -0.5)  # [b, 1, s, h]
+        return out.transpose(1, 2)[:, :, 0]
+
+
+def test_token_local_attention_calls_run_as_they_are():
+    model = _model("llama", "LlamaForCausalLM")
+    layer = model.model.layers[0]
+    layer.mlp = _DepthwiseMix(model.config, layer.mlp)
+    reference = copy.deepcopy(model)
+    family = inspect_model(model, split=True)
+    assert [s.name for s in family.local_attention] == ["layers.0.mlp"]
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    batch = {"input_ids": torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))}
+    batch["labels"] = batch["input_ids"]
+    out, expected = model(**batch), reference(**batch)
+    assert abs(out.loss.item() - expected.loss.item()) <= 1e-5 * expected.loss.item()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread (a busy 2-core machine otherwise spends seconds in thread hand-offs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
