@@ -36,7 +36,7 @@ def _time(fn, repeats: int = 3) -> float:
 def measure(classes=None) -> dict:
     import torch
     from conformance.tiny import Unbuildable, build_tiny, mapping_classes
-    from seqpar_hf.models.families import inspect_model
+    from seqpar_hf.models.inspection import inspect_model
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     rows, seen = {}, set()

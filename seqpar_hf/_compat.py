@@ -44,6 +44,12 @@ def group_timeout(group):
     return None
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """A tensor's in-place modification counter (`Tensor._version`): the dry run tells which projections
+    a model writes in place."""
+    return t._version
+
+
 # Private aten attention ops used by the ring blocks (forward returning the log-sum-exp, and the
 # backward taking it). Checked once; without them the blocks use the math path, with one warning.
 _RING_OPS = {
@@ -157,6 +163,12 @@ TRAINER_STATE_NAME = "trainer_state.json"
 def trainer_save(trainer, output_dir: str, state_dict: dict) -> None:
     """`Trainer._save(output_dir, state_dict)`: save_pretrained + tokenizer + training args (rank 0)."""
     trainer._save(output_dir, state_dict=state_dict)
+
+
+def trl_tokenizer(trainer):
+    """TRL's GRPO / RLOO trainers keep the tokenizer of their processing class in `_tokenizer` (a processor's
+    own tokenizer for multimodal models): the pad id the group's rows are padded with."""
+    return trainer._tokenizer
 
 
 def unwrap_optimizer(optimizer):

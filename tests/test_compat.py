@@ -144,7 +144,7 @@ def test_missing_kernel_falls_back_to_the_math_with_one_warning(monkeypatch):
 def test_tied_embedding_plan_entry_of_transformers_5_17_is_ours_to_parallelise():
     """transformers 5.17 adds "embed_tokens": "embedding_rowwise" to the tp plan of tied-embedding models;
     seqpar_hf parallelises the embedding itself (vocab-parallel), so the entry is skipped, not refused."""
-    from seqpar_hf.models.families import inspect_model
+    from seqpar_hf.models.inspection import inspect_model
     from seqpar_hf.models.tensor_parallel import _decoder_only_plan
 
     from .helpers.models import build_model
@@ -187,3 +187,24 @@ def test_transformers_generation_internals_for_generation_under_sp():
     assert CacheLayerMixin.__abstractmethods__ <= {"lazy_initialization", "update", "get_mask_sizes", "get_seq_length",
                                                    "get_max_length"}
     assert "layers" in inspect.signature(Cache.__init__).parameters
+
+
+def test_trl_grpo_hooks_the_rl_trainers_override():
+    """seqpar_hf/training/trl_rl.py overrides these private GRPO / RLOO methods (one slice per rank, the
+    group's rows for the loss): their names and leading parameters."""
+    pytest.importorskip("trl")
+    from trl import GRPOTrainer, RLOOTrainer
+    for trainer in (GRPOTrainer, RLOOTrainer):
+        assert list(inspect.signature(trainer._generate_and_score_completions).parameters)[:2] == ["self", "inputs"]
+        assert list(inspect.signature(trainer._generate_single_turn).parameters)[:2] == ["self", "prompt_ids"]
+        assert list(inspect.signature(trainer._get_per_token_logps_and_entropies).parameters)[:5] == \
+            ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+        assert hasattr(trainer, "_get_eval_sampler")
+        assert "self._tokenizer = processing_class" in inspect.getsource(trainer.__init__)  # _compat.trl_tokenizer
+
+
+def test_torch_tensor_version_counter():
+    t = torch.zeros(2)
+    before = _compat.tensor_version(t)
+    t.add_(1)
+    assert _compat.tensor_version(t) == before + 1

@@ -16,7 +16,7 @@ import seqpar_hf
 from conformance.tiny import build_tiny
 from seqpar_hf.attention.mask_patterns import read_function, read_tensor
 from seqpar_hf.attention.masks import MaskSpec, SeqMeta
-from seqpar_hf.models.families import inspect_model
+from seqpar_hf.models.inspection import inspect_model
 from seqpar_hf.parallel.sharding import ShardPlan
 
 FIX = "Train it without sequence parallelism"

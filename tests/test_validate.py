@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from seqpar_hf.models import validate
-from seqpar_hf.models.families import inspect_model
+from seqpar_hf.models.inspection import inspect_model
 
 from .runs.robustness import build, validation_batches
 

@@ -16,6 +16,7 @@ import torch
 
 from ..attention.mask_patterns import describe, read_tensor
 from .context import CONTEXT_KWARG
+from .dryrun import original_function
 from .probe_checks import Refusal
 
 HONOURED = ("dropout", "scaling")
@@ -139,7 +140,6 @@ class LocalSite:
     local = True
 
     def __init__(self, name: str, original: str | None):
-        from .dryrun import original_function
         self.name, self.function = name, original_function(original)
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):

@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .. import _compat
 from ..attention.mask_patterns import read_function
 from .signatures import collect
 
@@ -170,7 +171,7 @@ class Recorder:
             self.stack.pop()
             self.calls[name][-1]["out"] = collect(output, self.lengths, self.batch)
         if isinstance(module, nn.Linear) and isinstance(output, torch.Tensor):
-            self.linear_outputs.append((name, output, output._version))
+            self.linear_outputs.append((name, output, _compat.tensor_version(output)))
 
     def remove(self):
         for h in self.handles:

@@ -23,9 +23,10 @@ from ..parallel import auto
 from ..parallel.layout import ParallelLayout
 from . import positions, tensor_parallel, tp_checks
 from .attention_calls import LocalSite
-from .families import ModelFamily, inspect_model
+from .families import ModelFamily
 from .forwards import BackboneForward, LMForward, _Wrapper
 from .generation import GenerateSP
+from .inspection import inspect_model
 from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .registry import register
 from .state import ATTN_NAME, AttentionSite, PatchState, TiledLoss, attach, detach, set_site, state_of

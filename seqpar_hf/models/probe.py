@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from .. import _compat
 from ..parallel.sharding import ShardPlan
 from . import dryrun, positions as positions_
 from .context import CONTEXT_KWARG
@@ -163,7 +164,7 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
     if head is not None and "hidden" in captured and getattr(out, "logits", None) is not None:
         observed.head_logits = (captured["hidden"], out.logits)
         observed.loss_convention = loss_convention(pretrained, labels, out)
-    observed.inplace = {n for n, t, version in recorder.linear_outputs if t._version != version}
+    observed.inplace = {n for n, t, version in recorder.linear_outputs if _compat.tensor_version(t) != version}
     observed.seconds = time.perf_counter() - start
     return observed
 

@@ -26,7 +26,7 @@ class TimeBudgetCallback(TrainerCallback):
         if self.seconds > 0 and all_ranks_agree(time.time() - self.start > self.seconds, args.device):
             logger.info("time budget of %.1f minutes reached at step %d", self.seconds / 60, state.global_step)
             control.should_training_stop = True
-            control.should_evaluate = True
+            control.should_evaluate = args.eval_strategy != "no"  # a last evaluation, where there is one
 
 
 def all_ranks_agree(flag: bool, device) -> bool:

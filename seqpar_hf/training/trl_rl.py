@@ -27,6 +27,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
+from .. import _compat
 from ..models.patch import is_patched, original_attn_implementation, patch_model, sp_disabled
 from ..models.rng import per_rank_stream
 from ..parallel.layout import ParallelLayout
@@ -195,7 +196,7 @@ class _RLSequenceParallel(SequenceParallelMixin):
             mine = super()._generate_and_score_completions(inputs[rank_rows(len(inputs), self.layout)])
         finally:
             self._scoring = False
-        batch = gather_rows(mine, self.layout, self._tokenizer.pad_token_id)  # the group's rows, on every rank
+        batch = gather_rows(mine, self.layout, _compat.trl_tokenizer(self).pad_token_id)  # the group's rows, on every rank
         sync_rng(self.layout, self.accelerator.device)
         return batch
 
@@ -213,7 +214,7 @@ class _RLSequenceParallel(SequenceParallelMixin):
                                                               batch_size, **kwargs)
         # a sequence-parallel model runs the group's rows on every rank of the group; keep this rank's
         ids, mask, width, mine = group_rows(input_ids, attention_mask, logits_to_keep, self.layout,
-                                           self._tokenizer.pad_token_id)
+                                           _compat.trl_tokenizer(self).pad_token_id)
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size,
                                                                            **kwargs)
         crop = (lambda t: None if t is None else t[mine, :logits_to_keep])  # [sp * b, C_max] -> [b, C]
