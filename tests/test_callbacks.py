@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import torch
 from transformers import TrainerControl, TrainerState
 
 import seqpar_hf
@@ -40,3 +41,24 @@ def test_time_budget_of_zero_means_no_limit():
     callback.start = time.time() - 10 ** 6
     callback.on_step_end(args, state, control)
     assert not control.should_training_stop
+
+
+def test_evaluation_by_time_and_a_schedule_that_ends_with_the_budget():
+    callback = seqpar_hf.TimeBudgetCallback(minutes=10, eval_every_minutes=3)
+    args, state = SimpleNamespace(device="cpu", eval_strategy="no"), TrainerState()
+    control = TrainerControl()
+    callback.on_train_begin(args, state, control)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = callback.schedule(optimizer, warmup_steps=4)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for spent_minutes in (1, 2, 4, 5, 6.5, 9, 10.5):
+        callback.start = time.time() - 60 * spent_minutes
+        control = TrainerControl()
+        callback.on_step_end(args, state, control)
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        evaluated = control.should_evaluate
+        assert evaluated == (spent_minutes in (4, 6.5, 9, 10.5)), spent_minutes  # past 3, 6, 9; and at the end
+    assert control.should_training_stop
+    assert lrs[0] == 0.25  # warmup: step 1 of 4
+    assert abs(lrs[4] - 0.5) < 0.02 and lrs[-1] == 0.0  # half the budget: half the peak; the end: zero

@@ -136,7 +136,7 @@ def recipe_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("recipe")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes" / "accelerate_cpu_2proc.yaml"), str(ROOT / "recipes" / "train_translation.py"),
-           "--sp_size", "2", "--max_pairs", "3000", "--vocab_size", "1000", "--max_steps", "16", "--eval_steps", "8",
+           "--sp_size", "2", "--max_pairs", "3000", "--vocab_size", "1000", "--max_steps", "16", "--eval_strategy", "steps", "--eval_steps", "8",
            "--logging_steps", "4", "--warmup_steps", "4", "--per_device_train_batch_size", "32",
            "--max_eval_samples", "16", "--max_test_samples", "16", "--test_num_beams", "2",
            "--max_source_length", "24", "--max_target_length", "24", "--num_examples_to_print", "2",
