@@ -22,7 +22,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]
 import torch  # noqa: E402
 from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq, LogitsProcessorList  # noqa: E402
 
-import train_translation as recipe  # noqa: E402
+import translation_training as recipe  # noqa: E402
 import translation_data  # noqa: E402
 
 

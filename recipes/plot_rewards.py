@@ -10,13 +10,18 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
 CURVES = (("reward", "reward (sum)"), ("rewards/first_sentence/mean", "first_sentence (F1)"),
           ("rewards/first_words/mean", "first_words (prefix)"))
+
+
+def pyplot():
+    """matplotlib, imported when drawing only (an optional extra: `pip install -e ".[bench]"`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -35,6 +40,7 @@ def smooth(values: list[float], window: int) -> list[float]:
 def plot(rows: list[dict], out: Path, window: int, title: str) -> Path:
     rows = [r for r in rows if "reward" in r]
     steps = [r["step"] for r in rows]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for (key, label), color in zip(CURVES, ("black", "tab:blue", "tab:orange")):
         if all(key in r for r in rows):

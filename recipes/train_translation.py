@@ -31,6 +31,7 @@ transformers checkpoint (`MarianMTModel.from_pretrained(output_dir)` needs no se
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -38,16 +39,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import evaluate
 import numpy as np
 import torch
 import transformers
-from transformers import (DataCollatorForSeq2Seq, HfArgumentParser, LogitsProcessor, LogitsProcessorList, MarianConfig,
-                          MarianMTModel, TrainerCallback, set_seed)
+from transformers import DataCollatorForSeq2Seq, HfArgumentParser, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
 import recipe_checks  # noqa: E402
 import translation_data  # noqa: E402
+from translation_training import (BudgetTrainer, RealTokens, TokenCounter, bleu_metric,  # noqa: E402
+                                  build_model, choose_precision, generation_kwargs_fn, make_compute_metrics,
+                                  use_the_cores)
 
 import seqpar_hf  # noqa: E402
 from seqpar_hf.training.packing import Seq2SeqPackingCollator  # noqa: E402
@@ -82,6 +84,9 @@ class DataArguments:
         "help": "Document-level translation: join N consecutive pairs into one source/target document (one long "
                 "sequence, attention across its sentences). Default batch sizes and --max_eval_samples are "
                 "divided by N (same sentences per step)."})
+    mixed_documents: bool = field(default=True, metadata={
+        "help": "With --document_sentences N: training documents of 1 to N pairs (a seeded draw per document), so "
+                "the model learns sentences and documents of every length in one run; held-out documents keep N."})
     max_source_length: int = field(default=0, metadata={"help": "Truncate sources to this many tokens "
                                                                 "(0: 80 x document_sentences, which truncates "
                                                                 "nothing)."})
@@ -234,137 +239,6 @@ def check_splits(splits, data_args: DataArguments, evaluating: bool) -> None:
                          "and 2% of the distinct English sentences, rounded")
 
 
-def use_the_cores(requested: int) -> str:
-    """On CPU, one process per core share: torch threads = usable cores // local processes (accelerate
-    launch with no config exports OMP_NUM_THREADS=1, which would leave all but one core idle)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = requested or max(1, cores // local)
-    torch.set_num_threads(threads)
-    return f"{threads} threads per process ({cores} cores, {local} local process{'es' if local > 1 else ''})"
-
-
-def choose_precision(requested: str, training_args) -> str:
-    """bf16 mixed precision where the hardware computes bf16 fast: a CUDA device with bf16, or a CPU with
-    AVX512-BF16 or AMX (on such a 2-core CPU the model's matmuls run 4-6x faster in bf16 and a training
-    step 1.85x, with the same losses to 1e-4). Decided from the hardware, so every rank decides alike."""
-    if requested == "auto":
-        if not training_args.use_cpu and torch.cuda.is_available():
-            fast, where = torch.cuda.is_bf16_supported(), "this GPU"
-        else:
-            flags = set()
-            if os.path.exists("/proc/cpuinfo"):
-                with open("/proc/cpuinfo") as f:
-                    flags = {w for line in f if line.startswith("flags") for w in line.split()}
-            fast, where = bool(flags & {"avx512_bf16", "amx_bf16"}), "this CPU"
-        requested = "bf16" if fast else "fp32"
-        logger.info("precision: %s (auto: bf16 is %sfast on %s)", requested, "" if fast else "not ", where)
-    training_args.bf16 = training_args.bf16 or requested == "bf16"
-    return "bf16" if training_args.bf16 else "fp32"
-
-
-def build_model(model_args: ModelArguments, tokenizer, max_length: int) -> MarianMTModel:
-    config = MarianConfig(
-        vocab_size=len(tokenizer), decoder_vocab_size=len(tokenizer), share_encoder_decoder_embeddings=True,
-        d_model=model_args.d_model, encoder_layers=model_args.encoder_layers, decoder_layers=model_args.decoder_layers,
-        encoder_attention_heads=model_args.attention_heads, decoder_attention_heads=model_args.attention_heads,
-        encoder_ffn_dim=model_args.ffn_dim, decoder_ffn_dim=model_args.ffn_dim, dropout=model_args.dropout,
-        attention_dropout=model_args.attention_dropout, activation_dropout=0.0, scale_embedding=True,
-        max_position_embeddings=max_length + 2, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-        forced_eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
-    model = MarianMTModel(config)
-    model.set_attn_implementation("sdpa")
-    model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]  # never generate <pad> after the start
-    return model
-
-
-class BudgetTrainer(seqpar_hf.SequenceParallelTrainer):
-    """With `budget` set: the learning rate decays over the time budget (`TimeBudgetCallback.schedule`)."""
-
-    budget = None
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if self.budget is not None and self.lr_scheduler is None:
-            self.lr_scheduler = self.budget.schedule(optimizer or self.optimizer,
-                                                     self.args.get_warmup_steps(num_training_steps))
-        return super().create_scheduler(num_training_steps, optimizer)
-
-
-class TokenCounter:
-    """Wraps the training collator and counts the real (non-padding) source + target tokens it collates."""
-
-    def __init__(self, collator):
-        self.collator, self.tokens = collator, 0
-
-    def __call__(self, features):
-        self.tokens += sum(len(f["input_ids"]) + len(f["labels"]) for f in features)
-        return self.collator(features)
-
-
-class RealTokens(TrainerCallback):
-    """Logs real (non-padding) training tokens per second: what packing and length grouping change."""
-
-    def __init__(self, counter: TokenCounter):
-        self.counter, self.start, self.rate = counter, None, 0.0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start, self.counter.tokens = time.time(), 0
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs and state.is_world_process_zero:
-            self.rate = self.counter.tokens / (time.time() - self.start)
-            logger.info("step %d: %.0f real tokens/s", state.global_step, self.rate)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.rate = self.counter.tokens / (time.time() - self.start)
-        if state.is_world_process_zero:
-            logger.info("training: %d real tokens in %.0f s = %.0f real tokens/s (%d steps)", self.counter.tokens,
-                        time.time() - self.start, self.rate, state.global_step)
-
-
-class SourceLengthLimit(LogitsProcessor):
-    """Forces </s> once a row has generated `a x source length + b` tokens (per sentence, per beam)."""
-
-    def __init__(self, limits: torch.Tensor, eos_token_id: int, prompt_length: int):
-        self.limits, self.eos, self.prompt = limits, eos_token_id, prompt_length
-
-    def __call__(self, input_ids, scores):
-        rows = self.limits.repeat_interleave(input_ids.shape[0] // self.limits.shape[0]).to(scores.device)
-        done = input_ids.shape[1] - self.prompt >= rows  # [batch * beams]
-        if bool(done.any()):
-            forced = torch.full_like(scores[0], float("-inf"))
-            forced[self.eos] = 0.0
-            scores = torch.where(done[:, None], forced, scores)
-        return scores
-
-
-def generation_kwargs_fn(data_args: DataArguments, tokenizer):
-    """Per-batch generate() arguments: the per-sentence length bound from each source's length."""
-    def kwargs(inputs: dict) -> dict:
-        if data_args.max_length_a <= 0:
-            return {}
-        sources = inputs["attention_mask"].sum(-1)
-        limits = (data_args.max_length_a * sources).ceil().long() + data_args.max_length_b
-        return {"logits_processor": LogitsProcessorList([SourceLengthLimit(limits, tokenizer.eos_token_id, 1)])}
-    return kwargs
-
-
-def bleu_metric():
-    return evaluate.load(str(ROOT / "metrics" / "sacrebleu_local"))
-
-
-def make_compute_metrics(tokenizer, references: list[list[str]], metric):
-    """BLEU of detokenized greedy translations against all French references of each sentence."""
-    def compute_metrics(prediction):
-        ids = np.where(prediction.predictions < 0, tokenizer.pad_token_id, prediction.predictions)
-        hypotheses = translation_data.decode_french(tokenizer, ids.tolist())
-        result = metric.compute(predictions=hypotheses, references=references[:len(hypotheses)])
-        logger.info("BLEU %.2f (sacrebleu %s)", result["score"], result["signature"])
-        return {"bleu": result["score"]}
-    return compute_metrics
-
-
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -382,11 +256,17 @@ def main(argv=None):
 
     docs = data_args.document_sentences
     if docs > 1:  # keep ~the same number of sentences per step and per evaluation as one sentence per row
+        per_train_document = (docs + 1) / 2 if data_args.mixed_documents else docs  # sentences, on average
         for name, default in DEFAULT_BATCH.items():
             if getattr(training_args, name) == default:
-                setattr(training_args, name, max(1, default // docs))
+                per_document = per_train_document if "train" in name else docs
+                setattr(training_args, name, max(1, round(default / per_document)))
         if data_args.max_eval_samples == DataArguments.max_eval_samples:
             data_args.max_eval_samples = max(8, DataArguments.max_eval_samples // docs)
+        if training_args.sp_generate == "auto" and "--sp_generate" not in (argv or sys.argv):
+            training_args.sp_generate = "always"  # long documents: their encoder states stay sharded
+        if "--no_repeat_ngram_size" not in (argv or sys.argv):
+            data_args.no_repeat_ngram_size = 0  # a document repeats 3-grams across its sentences ("Je ne ...")
     max_source = data_args.max_source_length or 80 * docs
     max_target = data_args.max_target_length or 80 * docs
     if data_args.pack_tokens and training_args.train_sampling_strategy == "group_by_length" and \
@@ -396,8 +276,9 @@ def main(argv=None):
         tokenizer, splits = translation_data.prepare(
             data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed,
             document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
-            max_pairs=data_args.max_pairs, lowercase=data_args.lowercase)
-    check_splits(splits, data_args, evaluating=training_args.eval_strategy != "no")
+            max_pairs=data_args.max_pairs, lowercase=data_args.lowercase, mixed_documents=data_args.mixed_documents)
+    check_splits(splits, data_args,
+                 evaluating=training_args.eval_strategy != "no" or data_args.eval_every_minutes > 0)
     train, validation, test = splits["train"], splits["validation"], splits["test"]
     if data_args.max_train_samples:
         train = train.select(range(min(data_args.max_train_samples, len(train))))
@@ -428,6 +309,7 @@ def main(argv=None):
     else:
         train_collator = padded
     counter = TokenCounter(train_collator)
+    tokens_log = RealTokens(counter)
     budget = seqpar_hf.TimeBudgetCallback(data_args.max_train_minutes, data_args.eval_every_minutes)
     trainer = BudgetTrainer(
         model=model, args=training_args, train_dataset=train.select_columns(columns),
@@ -435,7 +317,7 @@ def main(argv=None):
         data_collator=counter, eval_data_collator=padded,
         generation_kwargs_fn=generation_kwargs_fn(data_args, tokenizer),
         compute_metrics=make_compute_metrics(tokenizer, validation["fr_refs"], metric),
-        callbacks=[budget, RealTokens(counter)])
+        callbacks=[budget, tokens_log])
     if data_args.lr_decay == "budget" and data_args.max_train_minutes > 0:
         trainer.budget = budget
     logger.info("%s", trainer.layout)
@@ -457,6 +339,13 @@ def main(argv=None):
         print(f"test BLEU {output.metrics['test_bleu']:.2f} (beam {data_args.test_num_beams}, decoding "
               f"{output.metrics['test_runtime']:.0f} s); total time {(time.time() - started) / 60:.1f} min")
         print(f"saved model: {os.path.abspath(training_args.output_dir)}")
+        summary = {"command": sys.argv, "steps": trainer.state.global_step, "real_tokens_per_s": round(tokens_log.rate),
+                   "eval_curve": tokens_log.curve, "test_bleu": output.metrics["test_bleu"],
+                   "test_decoding_s": round(output.metrics["test_runtime"], 1), "test_beams": data_args.test_num_beams,
+                   "wall_minutes": round((time.time() - started) / 60, 2), "sp_size": training_args.sp_size,
+                   "document_sentences": docs, "precision": "bf16" if training_args.bf16 else "fp32"}
+        # what the README's demo table and figure are drawn from (recipes/plot_bleu.py)
+        Path(training_args.output_dir, "run_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return output.metrics
 
 

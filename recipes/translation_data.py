@@ -205,9 +205,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
-def join_documents(items: Sequence[dict], n: int) -> list[dict]:
-    """Join every `n` consecutive items into one document (the last one may hold fewer); n=1 is the identity.
-    Document-level translation: one long sequence per document, attention across its sentences.
+def document_sizes(count: int, n: int, mixed_seed: int | None = None) -> list[int]:
+    """Sentences per document for `count` items: `n` each (the last one fewer), or with `mixed_seed` a seeded
+    draw from 1..n per document, so that a model trained on them sees every length up to n."""
+    sizes, total, rng = [], 0, random.Random(mixed_seed)
+    while total < count:
+        sizes.append(min(n if mixed_seed is None else rng.randint(1, n), count - total))
+        total += sizes[-1]
+    return sizes
+
+
+def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None) -> list[dict]:
+    """Join every `n` consecutive items into one document (the last one may hold fewer; with `mixed_seed`,
+    documents of 1..n items, see `document_sizes`); n=1 is the identity. Document-level translation: one
+    long sequence per document, attention across its sentences.
 
     String fields ("en", "fr", "en_tok", ...) are joined with a space. "fr_refs" (held-out items) becomes a list
     as long as the longest reference list in the group: reference k joins each sentence's k-th reference, or
@@ -217,9 +228,9 @@ def join_documents(items: Sequence[dict], n: int) -> list[dict]:
     _require_at_least("n", n, 1)
     if n == 1:
         return list(items)
-    packed = []
-    for start in range(0, len(items), n):
-        group = items[start : start + n]
+    packed, start = [], 0
+    for size in document_sizes(len(items), n, mixed_seed):
+        group, start = items[start : start + size], start + size
         document = {}
         for key, value in group[0].items():
             if key == "fr_refs":
@@ -244,9 +255,11 @@ def build_tokenized_splits(
     document_sentences: int = 1,
     num_proc: int = 1,
     lowercase: bool = False,
+    mixed_seed: int | None = None,
 ) -> datasets.DatasetDict:
     """Encode each split (items from `split_by_source`, optionally already through `add_word_tokens`),
-    optionally joining `document_sentences` pairs into one document.
+    optionally joining `document_sentences` pairs into one document (training documents of 1 to
+    `document_sentences` pairs with `mixed_seed`; held-out ones always of `document_sentences`).
 
     Columns, one row per document (each id list ends with </s>, truncated to the max length):
         input_ids, attention_mask: English ids [<= max_source_length]
@@ -261,7 +274,7 @@ def build_tokenized_splits(
     for name, items in splits.items():
         if items and "en_tok" not in items[0]:
             items = add_word_tokens(items, num_proc, lowercase)
-        documents = join_documents(items, document_sentences)
+        documents = join_documents(items, document_sentences, mixed_seed if name == "train" else None)
         source_ids = _encode(tokenizer, [d["en_tok"] for d in documents], max_source_length)
         split = {
             "input_ids": source_ids,
@@ -314,6 +327,7 @@ def prepare(
     max_pairs: int | None = None,
     num_proc: int = 2,
     lowercase: bool = False,
+    mixed_documents: bool = False,
 ) -> tuple[PreTrainedTokenizerFast, datasets.DatasetDict]:
     """Tokenizer and tokenized splits for the recipe, cached under `cache_dir`.
 
@@ -342,6 +356,8 @@ def prepare(
     }
     if lowercase:  # only when set, so cased entries keep their key
         settings["lowercase"] = True
+    if mixed_documents and document_sentences > 1:  # training documents of 1..document_sentences pairs
+        settings["mixed_documents"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     entry = Path(cache_dir) / f"translation-{key}"
     if not (entry / "settings.json").is_file():  # written last: its presence means the entry is complete
@@ -369,6 +385,7 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
         tokenized = build_tokenized_splits(
             tokenizer, splits, settings["max_source_length"], settings["max_target_length"],
             settings["document_sentences"], lowercase=lowercase,
+            mixed_seed=settings["seed"] if settings.get("mixed_documents") else None,
         )
         tokenized.save_to_disk(scratch / "dataset")
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
