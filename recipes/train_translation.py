@@ -47,7 +47,7 @@ from transformers import DataCollatorForSeq2Seq, HfArgumentParser, set_seed
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
 import recipe_checks  # noqa: E402
 import translation_data  # noqa: E402
-from translation_training import (BudgetTrainer, RealTokens, TokenCounter, bleu_metric,  # noqa: E402
+from translation_training import (BudgetTrainer, sentence_warm_start, RealTokens, TokenCounter, bleu_metric,  # noqa: E402
                                   build_model, choose_precision, generation_kwargs_fn, make_compute_metrics,
                                   use_the_cores)
 
@@ -87,6 +87,11 @@ class DataArguments:
     mixed_documents: bool = field(default=True, metadata={
         "help": "With --document_sentences N: training documents of 1 to N pairs (a seeded draw per document), so "
                 "the model learns sentences and documents of every length in one run; held-out documents keep N."})
+    sentence_warmup_minutes: float = field(default=-1.0, metadata={
+        "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
+                "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
+                "it learns long documents (a sentence-level warm start within the run); -1: a third of the "
+                "budget; 0: documents from the start."})
     max_source_length: int = field(default=0, metadata={"help": "Truncate sources to this many tokens "
                                                                 "(0: 80 x document_sentences, which truncates "
                                                                 "nothing)."})
@@ -220,11 +225,27 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
     check.at_least("max_length_b", d.max_length_b, 0, "tokens added to a x source tokens")
     check.at_least("no_repeat_ngram_size", d.no_repeat_ngram_size, 0, "n-grams never repeated; 0: off")
     check.at_least("max_train_minutes", d.max_train_minutes, 0, "minutes of training; 0: no limit")
+    warm = d.sentence_warmup_minutes
+    if warm != -1:
+        check.at_least("sentence_warmup_minutes", warm, 0, "minutes on single sentences before the documents; -1: a "
+                       "third of --max_train_minutes; 0: none")
+    if warm > 0 and d.max_train_minutes and warm >= d.max_train_minutes:
+        raise ValueError(f"--sentence_warmup_minutes {warm}: must be shorter than --max_train_minutes "
+                         f"{d.max_train_minutes} (the documents train in the rest)")
     check.at_least("num_examples_to_print", d.num_examples_to_print, 0, "test translations printed")
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         check.at_least(flag, getattr(training_args, flag), 1, "examples per rank and step")
     check.folder("data_cache_dir", d.data_cache_dir, writable=False)  # a prepared cache may be read-only
     check.folder("output_dir", training_args.output_dir, writable=True)
+
+
+def warmup_minutes(data_args) -> float:
+    """Minutes of the sentence-level warm start (documents only)."""
+    if data_args.document_sentences == 1 or data_args.sentence_warmup_minutes == 0:
+        return 0.0
+    if data_args.sentence_warmup_minutes < 0:
+        return round(data_args.max_train_minutes / 3, 2) if data_args.max_train_minutes > 0 else 0.0
+    return data_args.sentence_warmup_minutes
 
 
 def check_splits(splits, data_args: DataArguments, evaluating: bool) -> None:
@@ -308,9 +329,13 @@ def main(argv=None):
         logger.info("training on packed rows of up to %d tokens per side", data_args.pack_tokens)
     else:
         train_collator = padded
+    warm = warmup_minutes(data_args)
+    if warm > 0 and "--warmup_steps" not in (argv or sys.argv):
+        training_args.warmup_steps = 100  # the documents' optimizer starts fresh on a model that already translates
     counter = TokenCounter(train_collator)
-    tokens_log = RealTokens(counter)
-    budget = seqpar_hf.TimeBudgetCallback(data_args.max_train_minutes, data_args.eval_every_minutes)
+    tokens_log = RealTokens(counter, offset_minutes=warm)
+    budget = seqpar_hf.TimeBudgetCallback(data_args.max_train_minutes - warm if data_args.max_train_minutes else 0,
+                                          data_args.eval_every_minutes)
     trainer = BudgetTrainer(
         model=model, args=training_args, train_dataset=train.select_columns(columns),
         eval_dataset=validation.select_columns(columns), processing_class=tokenizer,
@@ -322,6 +347,8 @@ def main(argv=None):
         trainer.budget = budget
     logger.info("%s", trainer.layout)
 
+    if warm > 0:
+        trainer.train_steps_before = sentence_warm_start(model, tokenizer, splits["train_sentences"], training_args, warm)
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)
 
@@ -343,7 +370,8 @@ def main(argv=None):
                    "eval_curve": tokens_log.curve, "test_bleu": output.metrics["test_bleu"],
                    "test_decoding_s": round(output.metrics["test_runtime"], 1), "test_beams": data_args.test_num_beams,
                    "wall_minutes": round((time.time() - started) / 60, 2), "sp_size": training_args.sp_size,
-                   "document_sentences": docs, "precision": "bf16" if training_args.bf16 else "fp32"}
+                   "document_sentences": docs, "sentence_warmup_minutes": warm,
+                   "sentence_warmup_steps": getattr(trainer, "train_steps_before", 0), "precision": "bf16" if training_args.bf16 else "fp32"}
         # what the README's demo table and figure are drawn from (recipes/plot_bleu.py)
         Path(training_args.output_dir, "run_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return output.metrics

@@ -247,6 +247,9 @@ def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None)
     return packed
 
 
+SENTENCE_MAX_LENGTH = 80  # tokens per side of a single pair (the recipe's sentence-level truncation)
+
+
 def build_tokenized_splits(
     tokenizer: PreTrainedTokenizerFast,
     splits: dict[str, Sequence[dict]],
@@ -259,7 +262,8 @@ def build_tokenized_splits(
 ) -> datasets.DatasetDict:
     """Encode each split (items from `split_by_source`, optionally already through `add_word_tokens`),
     optionally joining `document_sentences` pairs into one document (training documents of 1 to
-    `document_sentences` pairs with `mixed_seed`; held-out ones always of `document_sentences`).
+    `document_sentences` pairs with `mixed_seed`; held-out ones always of `document_sentences`). With documents,
+    also the split "train_sentences": the training pairs one per row, truncated to SENTENCE_MAX_LENGTH.
 
     Columns, one row per document (each id list ends with </s>, truncated to the max length):
         input_ids, attention_mask: English ids [<= max_source_length]
@@ -286,6 +290,12 @@ def build_tokenized_splits(
             case = str.lower if lowercase else (lambda text: text)
             split["fr_refs"] = [[case(normalize_spaces(ref)) for ref in d["fr_refs"]] for d in documents]
         columns[name] = datasets.Dataset.from_dict(split)
+        if name == "train" and document_sentences > 1:
+            # the same training pairs one per row, for a sentence-level warm start (same tokenizer, same split)
+            columns["train_sentences"] = datasets.Dataset.from_dict({
+                "input_ids": (ids := _encode(tokenizer, [d["en_tok"] for d in items], SENTENCE_MAX_LENGTH)),
+                "attention_mask": [[1] * len(x) for x in ids],
+                "labels": _encode(tokenizer, [d["fr_tok"] for d in items], SENTENCE_MAX_LENGTH)})
     return datasets.DatasetDict(columns)
 
 
@@ -358,6 +368,8 @@ def prepare(
         settings["lowercase"] = True
     if mixed_documents and document_sentences > 1:  # training documents of 1..document_sentences pairs
         settings["mixed_documents"] = True
+    if document_sentences > 1:  # documents come with their training pairs one per row ("train_sentences")
+        settings["train_sentences"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     entry = Path(cache_dir) / f"translation-{key}"
     if not (entry / "settings.json").is_file():  # written last: its presence means the entry is complete

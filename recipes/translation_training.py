@@ -96,15 +96,17 @@ class RealTokens(TrainerCallback):
     """Logs real (non-padding) training tokens per second (what packing and length grouping change), and
     keeps the evaluations' BLEU against the minutes spent training (`curve`, for run_summary.json)."""
 
-    def __init__(self, counter: TokenCounter):
+    def __init__(self, counter: TokenCounter, offset_minutes: float = 0.0):
         self.counter, self.start, self.rate, self.curve = counter, None, 0.0, []
+        self.offset = offset_minutes  # training minutes spent before this trainer's (a warm start)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start, self.counter.tokens = time.time(), 0
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if metrics and "eval_bleu" in metrics:
-            self.curve.append({"minutes": round((time.time() - self.start) / 60, 2), "step": state.global_step,
+            self.curve.append({"minutes": round(self.offset + (time.time() - self.start) / 60, 2),
+                               "step": state.global_step,
                                "eval_bleu": metrics["eval_bleu"]})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -159,3 +161,26 @@ def make_compute_metrics(tokenizer, references: list[list[str]], metric):
         logger.info("BLEU %.2f (sacrebleu %s)", result["score"], result["signature"])
         return {"bleu": result["score"]}
     return compute_metrics
+
+
+def sentence_warm_start(model, tokenizer, sentences, training_args, minutes: float) -> int:
+    """Train `model` on `sentences` (the training pairs one per row, translation_data's "train_sentences")
+    in packed rows of 128 tokens, 96 pairs per step, the learning rate warmed up then constant, for
+    `minutes`, before the documents: the model learns to align sentences, which long documents alone
+    teach slowly. Returns the steps taken."""
+    import copy
+
+    from seqpar_hf.training.packing import Seq2SeqPackingCollator
+
+    args = copy.copy(training_args)
+    args.per_device_train_batch_size, args.train_sampling_strategy = 96, "random"
+    args.eval_strategy, args.lr_scheduler_type, args.warmup_steps = "no", "constant_with_warmup", 300
+    collator = TokenCounter(Seq2SeqPackingCollator(128, tokenizer.pad_token_id, model.config.decoder_start_token_id,
+                                                   pad_to_multiple_of=training_args.sp_size))
+    trainer = seqpar_hf.SequenceParallelTrainer(
+        model=model, args=args, train_dataset=sentences.select_columns(["input_ids", "attention_mask", "labels"]),
+        data_collator=collator, processing_class=tokenizer,
+        callbacks=[seqpar_hf.TimeBudgetCallback(minutes), RealTokens(collator)])
+    logger.info("sentence-level warm start: %.1f minutes on %d sentence pairs, then documents", minutes, len(sentences))
+    trainer.train()
+    return trainer.state.global_step

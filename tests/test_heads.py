@@ -104,3 +104,13 @@ def test_auto_layout_sizes_and_refusals():
     assert layout.mode == "ulysses" and not layout.enabled
     with pytest.raises(ValueError, match="head_chunks must be 'auto' or a positive integer, got 0"):
         ParallelLayout(sp_size=1, head_chunks=0)
+
+
+def test_sp_head_chunks_argument(tmp_path):
+    from seqpar_hf import SequenceParallelArguments
+
+    args = SequenceParallelArguments(output_dir=str(tmp_path), sp_head_chunks="2", use_cpu=True, report_to=[])
+    assert args.head_chunks() == 2
+    assert SequenceParallelArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]).head_chunks() == "auto"
+    with pytest.raises(ValueError, match="--sp_head_chunks 0: must be 'auto' or a positive integer"):
+        SequenceParallelArguments(output_dir=str(tmp_path), sp_head_chunks="0", use_cpu=True, report_to=[])

@@ -112,6 +112,12 @@ def test_seq2seq_rows_with_unpaired_documents():
         _patched("marian")(**batch)
 
 
+def test_seq2seq_collator_leaves_decoder_inputs_to_the_model():
+    features = [{"input_ids": [5, 6, 7], "labels": [8, 9]}, {"input_ids": [5, 6], "labels": [7, 8, 9]}]
+    assert "decoder_input_ids" not in Seq2SeqPackingCollator(12, 0, None)(features)
+    assert Seq2SeqPackingCollator(12, 0, 2)(features)["decoder_input_ids"].tolist() == [[2, 8, 2, 7, 8]]
+
+
 def test_a_pair_longer_than_the_row():
     assert pack_pairs([(3, 4), (5, 2), (2, 2)], 8) == [[1], [0, 2]]  # 2 rows of 5 + 2 and 5 + 6 tokens
     with pytest.raises(ValueError, match="pair 1 has 9 source and 2 target tokens, longer than a packed row of 8"):

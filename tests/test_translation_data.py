@@ -184,8 +184,10 @@ def test_build_tokenized_splits(small_tokenizer, sample):
     tokenizer, _ = small_tokenizer
     splits = td.split_by_source(sample, seed=0)
     data = td.build_tokenized_splits(tokenizer, splits, max_source_length=24, max_target_length=20, document_sentences=3)
-    assert set(data) == {"train", "validation", "test"}
+    assert set(data) == {"train", "validation", "test", "train_sentences"}
     assert len(data["train"]) == -(-len(splits["train"]) // 3)
+    assert len(data["train_sentences"]) == len(splits["train"])  # the same pairs, one per row (the warm start)
+    assert data["train_sentences"][0]["input_ids"][-1] == tokenizer.eos_token_id
     assert set(data["train"].column_names) == {"input_ids", "attention_mask", "labels"}
     assert set(data["test"].column_names) == {"input_ids", "attention_mask", "labels", "en", "fr_refs"}
     for row in data["train"]:

@@ -39,6 +39,9 @@ class SequenceParallelFields:
                 "reason; seqpar_hf.parallel.auto).",
         "choices": list(MODES)})
     sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
+    sp_head_chunks: str = field(default="auto", metadata={
+        "help": "Ulysses: parts of the heads whose all-to-all overlaps the attention kernel of the previous part; "
+                "auto: chosen by the exchange's size (1 where it is too small to pay, e.g. on CPU); N: at most N."})
     tp_size: int = field(default=1, metadata={"help": "Megatron-style tensor + sequence parallelism over this many "
                                                       "consecutive ranks (heads and MLP columns split, norms sharded "
                                                       "along the sequence). 1 disables it."})
@@ -59,6 +62,17 @@ class SequenceParallelFields:
 
     def _validate_layout(self):
         validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size, self.tp_size)
+        self.head_chunks()  # a bad value fails here, not at the first forward
+
+    def head_chunks(self) -> int | str:
+        """`sp_head_chunks` as ParallelLayout takes it ("auto" or a positive int)."""
+        value = str(self.sp_head_chunks)
+        if value == "auto":
+            return value
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--sp_head_chunks {value}: must be 'auto' or a positive integer (head parts whose "
+                             "exchange overlaps the kernel)")
+        return int(value)
 
 
 @dataclass

@@ -8,6 +8,8 @@ transformers has no packed convention for seq2seq; seqpar_hf's (read by the patc
     labels                         [rows, T]  targets of the same pairs in the same order (padding: -100)
     decoder_position_ids           [rows, T]  restarting at 0 for every pair
     decoder_input_ids              [rows, T]  each pair's target shifted right behind its start token
+                                              (left out with decoder_start_token_id=None: the patched
+                                              model builds each pair's with its own builder)
     decoder_attention_mask         [rows, T]  1 on the targets, 0 on padding
 
 The k-th target of a row attends (cross-attention) to the k-th source only; encoder and decoder
@@ -57,9 +59,13 @@ class Seq2SeqPackingCollator:
     Features are dicts with `input_ids` and `labels` (lists of ints, as a tokenizer returns them).
     Every pair of the batch lands in exactly one row (see `pack_pairs`), so a step sees the same pairs
     as unpacked, with (almost) no padding. `pad_to_multiple_of` pads the row length (e.g. to the SP size).
+
+    `decoder_start_token_id=None` leaves `decoder_input_ids` out, and the patched model builds each pair's
+    from its labels with the model's own builder: the choice for models whose targets do not start with
+    one fixed token (mBART starts each with its language code, its last label).
     """
 
-    def __init__(self, max_tokens: int, pad_token_id: int, decoder_start_token_id: int,
+    def __init__(self, max_tokens: int, pad_token_id: int, decoder_start_token_id: int | None,
                  pad_to_multiple_of: int | None = None):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -79,9 +85,10 @@ class Seq2SeqPackingCollator:
                "attention_mask": torch.zeros(n, src_w, dtype=torch.long),
                "position_ids": torch.zeros(n, src_w, dtype=torch.long),
                "labels": torch.full((n, tgt_w), IGNORE_INDEX, dtype=torch.long),
-               "decoder_input_ids": torch.full((n, tgt_w), self.pad, dtype=torch.long),
                "decoder_attention_mask": torch.zeros(n, tgt_w, dtype=torch.long),
                "decoder_position_ids": torch.zeros(n, tgt_w, dtype=torch.long)}
+        if self.start is not None:
+            out["decoder_input_ids"] = torch.full((n, tgt_w), self.pad, dtype=torch.long)
         for r, row in enumerate(rows):
             s = t = 0
             for i in row:
@@ -90,8 +97,9 @@ class Seq2SeqPackingCollator:
                 out["attention_mask"][r, s:s + len(src)] = 1
                 out["position_ids"][r, s:s + len(src)] = torch.arange(len(src))
                 out["labels"][r, t:t + len(tgt)] = torch.tensor(tgt)
-                shifted = [self.start] + [x if x != IGNORE_INDEX else self.pad for x in tgt[:-1]]
-                out["decoder_input_ids"][r, t:t + len(tgt)] = torch.tensor(shifted)
+                if self.start is not None:
+                    shifted = [self.start] + [x if x != IGNORE_INDEX else self.pad for x in tgt[:-1]]
+                    out["decoder_input_ids"][r, t:t + len(tgt)] = torch.tensor(shifted)
                 out["decoder_attention_mask"][r, t:t + len(tgt)] = 1
                 out["decoder_position_ids"][r, t:t + len(tgt)] = torch.arange(len(tgt))
                 s, t = s + len(src), t + len(tgt)

@@ -49,7 +49,8 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
         # the Trainer creates output_dir on the saving rank only: an unwritable one is an error on every rank
         agree(attempt(os.makedirs, args.output_dir, exist_ok=True) if args.should_save else None,
               f"creating output_dir {args.output_dir!r}", args.device)
-        self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size)
+        self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size,
+                                                 head_chunks=args.head_chunks())
         # the layout's groups wait as long as the default group (ddp_timeout), not torch's 30 minutes
         if model is not None and not isinstance(model, str) and not is_patched(model):
             patch_model(model, self.layout)

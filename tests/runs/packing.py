@@ -50,8 +50,8 @@ def seq2seq_pairs(seed: int, lengths=PAIR_LENGTHS) -> list[tuple[list[int], list
             for a, b in lengths]
 
 
-def seq2seq_packed_batch(seed: int, max_tokens: int = 12, lengths=PAIR_LENGTHS) -> dict:
-    return Seq2SeqPackingCollator(max_tokens, pad_token_id=0, decoder_start_token_id=0)(
+def seq2seq_packed_batch(seed: int, max_tokens: int = 12, lengths=PAIR_LENGTHS, start: int | None = 0) -> dict:
+    return Seq2SeqPackingCollator(max_tokens, pad_token_id=0, decoder_start_token_id=start)(
         [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed, lengths)])
 
 
@@ -66,9 +66,9 @@ def run_case(case: dict) -> dict:
     many = case.get("many", False)
     if family in SEQ2SEQ:
         lengths = MANY_PAIRS if many else PAIR_LENGTHS
-        batch = seq2seq_packed_batch(7, 160 if many else 12, lengths)
-        if case.get("model_decoder_inputs"):  # the model builds each pair's decoder inputs (mBART: its last label)
-            batch = {k: v for k, v in batch.items() if k != "decoder_input_ids"}
+        # start None: the collator leaves decoder inputs to the model, which builds each pair's (mBART: its last label)
+        batch = seq2seq_packed_batch(7, 160 if many else 12, lengths,
+                                     start=None if case.get("model_decoder_inputs") else 0)
         loss = model(**batch).loss
         pairs = seq2seq_pairs(7, lengths)
         tokens = sum(len(t) for _, t in pairs)
