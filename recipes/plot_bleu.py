@@ -37,8 +37,13 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     for run_dir, color in zip(run_dirs, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         summary = json.loads((run_dir / "run_summary.json").read_text())
         curve = summary["eval_curve"]
-        ax.plot([0] + [p["minutes"] for p in curve], [0] + [p["eval_bleu"] for p in curve], marker="o", ms=3,
-                color=color, label=label(summary, run_dir) + " - validation, greedy")
+        warm = summary.get("sentence_warmup_minutes", 0)
+        start = [] if warm else [(0, 0)]  # after a warm start on sentences, the documents' first BLEU is unknown
+        points = start + [(p["minutes"], p["eval_bleu"]) for p in curve]
+        ax.plot([m for m, _ in points], [b for _, b in points], marker="o", ms=3, color=color,
+                label=label(summary, run_dir) + " - validation, greedy")
+        if warm:
+            ax.axvspan(0, warm, color=color, alpha=0.08, label=f"{run_dir.name}: sentence-level warm start")
         end = curve[-1]["minutes"] if curve else 0
         ax.scatter([end], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3,
                    label=f"{run_dir.name}: test, beam {summary.get('test_beams', 4)}: {summary['test_bleu']:.2f}")
