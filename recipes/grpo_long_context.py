@@ -267,11 +267,13 @@ def main(argv=None):
         for r in evals:
             print(f"  eval at step {r['step']}: reward {r['eval_reward']:.3f} (first_sentence "
                   f"{r['eval_rewards/first_sentence/mean']:.3f}, first_words {r['eval_rewards/first_words/mean']:.3f})")
-        model = trainer.accelerator.unwrap_model(trainer.model).eval()
-        for i in range(2):
-            ids = tokenizer(train[i]["prompt"], return_tensors="pt")["input_ids"].to(model.device)
-            out = model.generate(input_ids=ids, max_new_tokens=args.max_completion_length, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    # every rank generates (the prompt prefilled sharded over the SP group: a collective), rank 0 prints
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    for i in range(2):
+        ids = tokenizer(train[i]["prompt"], return_tensors="pt")["input_ids"].to(model.device)
+        out = model.generate(input_ids=ids, max_new_tokens=args.max_completion_length, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        if trainer.is_world_process_zero():
             print(f"  FIRST: {tokenizer.decode(train[i]['reference'])}\n  OUT:   "
                   f"{tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}")
 

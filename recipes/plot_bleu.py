@@ -11,53 +11,54 @@ import argparse
 import json
 from pathlib import Path
 
-
-def pyplot():
-    """matplotlib, imported when drawing only (an optional extra: `pip install -e ".[bench]"`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
+from figures import pyplot, save
 
 
 def label(summary: dict, run_dir: Path) -> str:
     parts = [f"sp={summary.get('sp_size', 1)}"]
     if summary.get("document_sentences", 1) > 1:
-        parts.append(f"documents of up to {summary['document_sentences']} sentences (document BLEU)")
+        command = summary.get("command", [])
+        fixed = "--mixed_documents" in command and command[command.index("--mixed_documents") + 1:][:1] in (
+            ["false"], ["False"])
+        parts.append(f"documents of {'' if fixed else 'up to '}{summary['document_sentences']} sentences "
+                     "(document BLEU)")
     else:
         parts.append("sentences")
     return f"{run_dir.name}: " + ", ".join(parts)
 
 
 def plot(run_dirs: list[Path], out: Path) -> Path:
+    """Validation BLEU (greedy) of each evaluation against training minutes, a line per run; the test BLEU
+    (beam search) as a star at the end of training, with its value; a warm start on sentences shaded."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for run_dir, color in zip(run_dirs, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    warm_starts = 0
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    for i, (run_dir, color) in enumerate(zip(run_dirs, colors)):
         summary = json.loads((run_dir / "run_summary.json").read_text())
         curve = summary["eval_curve"]
         warm = summary.get("sentence_warmup_minutes", 0)
         start = [] if warm else [(0, 0)]  # after a warm start on sentences, the documents' first BLEU is unknown
         points = start + [(p["minutes"], p["eval_bleu"]) for p in curve]
         ax.plot([m for m, _ in points], [b for _, b in points], marker="o", ms=3, color=color,
-                label=label(summary, run_dir) + " - validation, greedy")
+                label=label(summary, run_dir))
         if warm:
-            ax.axvspan(0, warm, color=color, alpha=0.08, label=f"{run_dir.name}: sentence-level warm start")
+            ax.axvspan(0, warm, color=color, alpha=0.08)
+            ax.text(warm, 1 + 4 * warm_starts, f"{run_dir.name}: sentences until {warm:g} min ", color=color,
+                    fontsize=7, ha="right", va="bottom")
+            warm_starts += 1
         end = curve[-1]["minutes"] if curve else 0
-        ax.scatter([end], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3,
-                   label=f"{run_dir.name}: test, beam {summary.get('test_beams', 4)}: {summary['test_bleu']:.2f}")
-    ax.set_xlabel("minutes of training (2 CPU cores)")
+        ax.scatter([end], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3)
+        ax.annotate(f"{summary['test_bleu']:.2f}", (end, summary["test_bleu"]), textcoords="offset points",
+                    xytext=(7, 2 if i % 2 == 0 else -9), color=color, fontsize=8)
+    ax.scatter([], [], marker="*", s=100, color="gray", label="test BLEU (beam 4, all test sentences / documents)")
+    ax.set_xlabel("minutes of training (2 CPU cores); lines: validation BLEU, greedy")
     ax.set_ylabel("BLEU")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=7)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=7, ncol=1, frameon=False)
     ax.set_title("English -> French on Tatoeba: BLEU against training time")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def main(argv=None):

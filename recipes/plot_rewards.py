@@ -10,18 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
+from figures import pyplot, save
+
 CURVES = (("reward", "reward (sum)"), ("rewards/first_sentence/mean", "first_sentence (F1)"),
           ("rewards/first_words/mean", "first_words (prefix)"))
-
-
-def pyplot():
-    """matplotlib, imported when drawing only (an optional extra: `pip install -e ".[bench]"`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -53,11 +45,7 @@ def plot(rows: list[dict], out: Path, window: int, title: str) -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def main(argv=None):

@@ -2,22 +2,21 @@
 
 Launch (from the repository root):
 
-    # 1 process, the defaults: ~25 minutes on a 2-core CPU, test BLEU >= 30
+    # 1 process, the defaults (packed rows, bf16 where the CPU has it, the learning rate decayed over a
+    # 22-minute budget): 22.6 minutes on a 2-core CPU, test BLEU 48.10 (beam 4)
     accelerate launch recipes/train_translation.py
 
-    # 2 CPU processes, one SP group of 2 (each rank holds half of every sequence)
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/train_translation.py --sp_size 2
+    # 2 CPU processes, one SP group of 2 (each rank holds half of every sequence): 23.1 minutes, test BLEU 46.80
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py --sp_size 2
 
-    # packed rows: the sentence pairs of each batch packed into rows of up to 128 tokens per side, each
-    # pair attending only to itself (the same training as padded batches, without the padding)
-    accelerate launch recipes/train_translation.py --pack_tokens 128
+    # document-level translation: 32 consecutive pairs joined into one long document (attention across
+    # them), after a sentence-level warm start; 43.8 minutes, test document BLEU 25.90
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
-        --sp_size 2 --pack_tokens 128
+        --sp_size 2 --document_sentences 32 --max_train_minutes 41 --sentence_warmup_minutes 8 \
+        --mixed_documents false
 
-    # document-level translation: 32 consecutive pairs joined into one long document (attention across them)
-    accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
-        --sp_size 2 --document_sentences 32
+    # BLEU against training minutes of finished runs (each writes <output_dir>/run_summary.json)
+    python recipes/plot_bleu.py runs/translation --out bleu.png
 
     # 8 GPUs: SP groups of 4 (Ulysses) x 2 data-parallel replicas, bf16, rows of 4096 tokens
     accelerate launch --config_file recipes/accelerate_8gpu.yaml recipes/train_translation.py \
