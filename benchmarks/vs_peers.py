@@ -6,7 +6,8 @@ Ulysses (`rm.setup(..., device_type="cpu", inner_attn="sdpa")`) and our previous
 and the output one by one).
 
 (a) Attention forward + backward, GQA (8 heads, 2 or 4 kv heads, head dim 64, causal), from
-    latency-bound (256-1024 tokens) to bandwidth-bound (8K-16K): each one's median time, the median of
+    latency-bound (256-1024 tokens) to bandwidth-bound (8K-16K): each one's median time (a timing covers
+    16 calls at 256 tokens, 8 at 512, 4 at 1024: single short calls are too noisy), the median of
     the per-round ratios ours / peer, the max abs difference of the output and of dq, dk, dv against
     ours over every round, and the collectives one attention layer issues, forward and backward, with
     the bytes each rank sends.
@@ -74,15 +75,29 @@ def _counted(step, meter: CommMeter) -> dict:
     return out
 
 
-def race(runs: dict, warmup: int, reps: int, diff=None) -> dict:
+def calls_per_timing(seq_len: int) -> int:
+    """Calls of the attention per timing: a single call at 256 tokens takes ~10 ms on 2 cores, where the
+    scheduler and gloo's wake-ups spread single timings by +-40-70%; 16 calls at 256, 8 at 512, 4 at
+    1024, 2 at 2048, then 1."""
+    return max(1, 4096 // seq_len)
+
+
+def _repeat(fn, calls: int):
+    for _ in range(calls - 1):
+        fn()
+    return fn()
+
+
+def race(runs: dict, warmup: int, reps: int, diff=None, calls: int = 1) -> dict:
     """Time `runs[name]()` round-robin, the order rotating each round; per-round ratios ours / peer.
+    Each timing covers `calls` consecutive calls (the time reported is per call).
     `diff(result, reference)` (optional) is taken against the first implementation every round."""
     names, first = list(runs), next(iter(runs))
     times, worst = {n: [] for n in names}, {n: 0.0 for n in names}
     for i in range(warmup + reps):
         order, results = names[i % len(names):] + names[:i % len(names)], {}
         for n in order:
-            t = timed(lambda n=n: results.__setitem__(n, runs[n]()))
+            t = timed(lambda n=n: results.__setitem__(n, _repeat(runs[n], calls))) / calls
             if i >= warmup:
                 times[n].append(t)
         for n in names if diff else ():
@@ -148,10 +163,12 @@ def attention_case(group, case: dict, warmup: int, reps: int, names) -> dict:
             t.grad = None
 
     attends, refused = _set_up(setup, names)
+    calls = calls_per_timing(case["seq_len"])
     return {"part": "attention", "sp": n, **{k: v for k, v in case.items() if k != "scale"}, "refused": refused,
+            "calls_per_timing": calls,
             "collectives": {name: _counted(functools.partial(step, a), CommMeter()) for name, a in attends.items()},
             **race({name: functools.partial(_fwd_bwd, a, q, k, v, grad) for name, a in attends.items()},
-                   warmup, reps, _max_diff)}
+                   warmup, reps, _max_diff, calls)}
 
 
 def model_case(layout, name: str, layers: int, seq_len: int, warmup: int, reps: int, names) -> dict:

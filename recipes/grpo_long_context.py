@@ -4,7 +4,8 @@ through TRL's GRPOTrainer (which TRL itself runs only without SP).
 Launch (from the repository root):
 
     # 2 CPU processes, one SP group of 2: every prompt + completion is split over both ranks in the
-    # forwards, and each rank generates half of the group's completions (~18 minutes)
+    # forwards, and each rank generates half of the group's completions (18.5 minutes;
+    # mean reward of the first tenth of the GRPO steps 0.094, of the last tenth 0.171)
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/grpo_long_context.py --sp_size 2
 
     # 8 GPUs: 2 SP groups of 4, prompts of ~12K tokens, a bigger model
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 import transformers
 from datasets import Dataset
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the translation recipe's data module
 import recipe_checks  # noqa: E402
@@ -64,6 +65,10 @@ class RecipeArguments:
     sentences_per_prompt: int = field(default=32, metadata={"help": "Sentences per prompt (~12 tokens each)."})
     max_prompts: int = field(default=4000, metadata={"help": "Training prompts (each of consecutive sentences)."})
     eval_prompts: int = field(default=8, metadata={"help": "Held-out prompts (test sentences) for the eval reward."})
+    max_pairs: int | None = field(default=None, metadata={"help": "Read only the first N sentence pairs of the data "
+                                                                   "file (its shortest; for quick checks)."})
+    vocab_size: int = field(default=8000, metadata={"help": "BPE vocabulary (the translation recipe's cache entry "
+                                                            "with the same settings is shared)."})
     init_from: str | None = field(default=None, metadata={"help": "Start from this saved model (same tokenizer: "
                                                                   "e.g. runs/sft_long_context) instead of scratch."})
     sft_minutes: float = field(default=5.0, metadata={"help": "Supervised warm-up on the task (prompt -> first "
@@ -82,7 +87,7 @@ class GRPOArguments(SequenceParallelGRPOConfig):
     per_device_eval_batch_size: int = 8
     num_generations: int = 8  # completions per prompt (the group whose rewards are compared)
     max_completion_length: int = 16  # the first sentences are ~10 tokens
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-4  # 1e-3 collapses the policy within 50 steps (entropy -> 0.06)
     lr_scheduler_type: str = "constant"
     max_steps: int = 2000  # upper bound: --max_train_minutes usually ends training first
     logging_steps: float = 1
@@ -97,13 +102,8 @@ class GRPOArguments(SequenceParallelGRPOConfig):
 
 
 def parse_args(argv=None):
-    parser = HfArgumentParser((RecipeArguments, GRPOArguments))
-    recipe, args = parser.parse_args_into_dataclasses(args=argv)
-    try:
-        check_args(recipe, args)
-    except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return recipe, args
+    """The recipe's and the trainer's arguments, checked (argparse's error, exit code 2, on every rank alike)."""
+    return recipe_checks.parse_checked((RecipeArguments, GRPOArguments), check_args, argv)
 
 
 def check_args(recipe: RecipeArguments, args: GRPOArguments) -> None:
@@ -122,6 +122,8 @@ def check_args(recipe: RecipeArguments, args: GRPOArguments) -> None:
     check.at_least("max_train_minutes", recipe.max_train_minutes, 0, "minutes of training; 0: no limit")
     check.at_least("sft_minutes", recipe.sft_minutes, 0, "minutes of supervised warm-up; 0: none")
     check.at_least("num_threads", recipe.num_threads, 0, "torch threads per process; 0: cores / local processes")
+    check.optional_positive("max_pairs", recipe.max_pairs, "pairs read from the data file; leave it out for all")
+    check.at_least("vocab_size", recipe.vocab_size, 4, "BPE vocabulary size")
     check.folder("data_cache_dir", recipe.data_cache_dir, writable=False)
     check.folder("output_dir", args.output_dir, writable=True)
 
@@ -222,8 +224,9 @@ def main(argv=None):
     set_seed(args.seed)
     started = time.time()
     with args.main_process_first(desc="preparing the data"):  # the SFT recipe's cache entry (same settings)
-        tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=8000, seed=0,
-                                                     max_source_length=80, max_target_length=80)
+        tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=recipe.vocab_size, seed=0,
+                                                     max_source_length=80, max_target_length=80,
+                                                     max_pairs=recipe.max_pairs)
     tokenizer.padding_side = "left"
     train = prompts(splits["train"]["input_ids"], recipe.sentences_per_prompt, recipe.max_prompts, tokenizer)
     held_out = prompts(splits["test"]["input_ids"], recipe.sentences_per_prompt, recipe.eval_prompts, tokenizer)

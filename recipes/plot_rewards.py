@@ -37,8 +37,10 @@ def plot(rows: list[dict], out: Path, window: int, title: str) -> Path:
     for (key, label), color in zip(CURVES, ("black", "tab:blue", "tab:orange")):
         if all(key in r for r in rows):
             values = [r[key] for r in rows]
+            total = key == "reward"  # the sum, dashed and on top: it equals a part whenever the others are 0
             ax.plot(steps, values, color=color, alpha=0.2, lw=0.8)
-            ax.plot(steps, smooth(values, window), color=color, lw=1.8, label=f"{label}, mean of {window} steps")
+            ax.plot(steps, smooth(values, window), color=color, lw=1.4 if total else 1.8, ls="--" if total else "-",
+                    zorder=3 if total else 2, label=f"{label}, mean of {window} steps")
     minutes = (rows[-1]["time"] - rows[0]["time"]) / 60 if rows and "time" in rows[0] else None
     ax.set_xlabel("optimizer step" + (f" ({minutes:.0f} minutes)" if minutes else ""))
     ax.set_ylabel("reward per completion")

@@ -40,3 +40,17 @@ def folder(flag: str, path: str, writable: bool) -> None:
     except OSError as e:
         what = "a folder to write to" if writable else "a folder"
         raise ValueError(f"--{flag} {path!r}: must be {what} ({e.strerror or e})") from None
+
+
+def parse_checked(groups: tuple, check, argv=None) -> tuple:
+    """The argument groups parsed by transformers' HfArgumentParser, then `check(*groups)`: a ValueError
+    becomes argparse's error (exit code 2) without its usage, which here runs to hundreds of lines."""
+    from transformers import HfArgumentParser  # the checks above stay importable without transformers
+
+    parser = HfArgumentParser(groups)
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        check(*parsed)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return parsed

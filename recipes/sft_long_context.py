@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import transformers
 from datasets import Dataset
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
+from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the translation recipe's data module
 import recipe_checks  # noqa: E402
@@ -87,13 +87,7 @@ class SFTArguments(SequenceParallelSFTConfig):
 
 def parse_args(argv=None):
     """The recipe's and the trainer's arguments, checked (argparse's error, exit code 2, on every rank alike)."""
-    parser = HfArgumentParser((RecipeArguments, SFTArguments))
-    recipe, args = parser.parse_args_into_dataclasses(args=argv)
-    try:
-        check_args(recipe, args)
-    except ValueError as e:  # argparse's error without its usage, which here runs to hundreds of lines
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return recipe, args
+    return recipe_checks.parse_checked((RecipeArguments, SFTArguments), check_args, argv)
 
 
 def check_args(recipe: RecipeArguments, args: SFTArguments) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import DataCollatorForSeq2Seq, HfArgumentParser, set_seed
+from transformers import DataCollatorForSeq2Seq, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
 import recipe_checks  # noqa: E402
@@ -86,6 +86,10 @@ class DataArguments:
     mixed_documents: bool = field(default=True, metadata={
         "help": "With --document_sentences N: training documents of 1 to N pairs (a seeded draw per document), so "
                 "the model learns sentences and documents of every length in one run; held-out documents keep N."})
+    sentence_separator: bool = field(default=False, metadata={
+        "help": "With --document_sentences N: a <sep> token between a document's sentences on both sides, for "
+                "the model to keep one output sentence per input sentence (dropped from the output text). Off by "
+                "default: not better in the one run measured (README)."})
     sentence_warmup_minutes: float = field(default=-1.0, metadata={
         "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
                 "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
@@ -160,12 +164,8 @@ DEFAULT_BATCH = {name: RecipeTrainingArguments.__dataclass_fields__[name].defaul
 
 def parse_args(argv=None):
     """The three argument groups, checked (argparse's error, exit code 2, on every rank alike)."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, RecipeTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    try:
-        check_args(model_args, data_args, training_args)
-    except ValueError as e:  # argparse's error without its usage, which here runs to hundreds of lines
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    model_args, data_args, training_args = recipe_checks.parse_checked(
+        (ModelArguments, DataArguments, RecipeTrainingArguments), check_args, argv)
     data_args.pack_tokens = packed_row_tokens(data_args)
     return model_args, data_args, training_args
 
@@ -296,7 +296,8 @@ def main(argv=None):
         tokenizer, splits = translation_data.prepare(
             data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed,
             document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
-            max_pairs=data_args.max_pairs, lowercase=data_args.lowercase, mixed_documents=data_args.mixed_documents)
+            max_pairs=data_args.max_pairs, lowercase=data_args.lowercase, mixed_documents=data_args.mixed_documents,
+            sentence_separator=data_args.sentence_separator)
     check_splits(splits, data_args,
                  evaluating=training_args.eval_strategy != "no" or data_args.eval_every_minutes > 0)
     train, validation, test = splits["train"], splits["validation"], splits["test"]

@@ -35,6 +35,11 @@ DEFAULT_DATA_PATH = Path(__file__).resolve().parent.parent / "data" / "tatoeba-e
 # Ids 0, 1, 2 in this order: pad_token_id=0, eos_token_id=1 (Marian also starts decoding from pad).
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
+# Between the sentences of a document, on both sides (documents built with `separator=True`): the decoder
+# can count the sentences it has written and find the next one in the source, instead of merging or skipping
+# sentences mid-document (document-level NMT's sentence boundary token, e.g. <BRK> in Junczys-Dowmunt 2019).
+# A special token added after the BPE is trained (the last id): decoding with skip_special_tokens drops it.
+SEP = "<sep>"
 
 # BPE marks the end of a word so that decoding can put the spaces back exactly.
 _END_OF_WORD = "</w>"
@@ -215,7 +220,8 @@ def document_sizes(count: int, n: int, mixed_seed: int | None = None) -> list[in
     return sizes
 
 
-def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None) -> list[dict]:
+def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None,
+                   separator: bool = False) -> list[dict]:
     """Join every `n` consecutive items into one document (the last one may hold fewer; with `mixed_seed`,
     documents of 1..n items, see `document_sizes`); n=1 is the identity. Document-level translation: one
     long sequence per document, attention across its sentences.
@@ -224,6 +230,8 @@ def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None)
     as long as the longest reference list in the group: reference k joins each sentence's k-th reference, or
     its first where it has fewer. So every reference is a full translation of the document and every
     translation of every sentence appears in one of them (multi-reference BLEU takes the best per n-gram).
+    With `separator`, the word-tokenized fields ("en_tok", "fr_tok": what the model reads and writes) are
+    joined with SEP between sentences; the text and the references keep plain spaces.
     """
     _require_at_least("n", n, 1)
     if n == 1:
@@ -240,7 +248,8 @@ def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None)
                     for k in range(n_refs)
                 ]
             elif isinstance(value, str):
-                document[key] = " ".join(item[key] for item in group)
+                glue = f" {SEP} " if separator and key.endswith("_tok") else " "
+                document[key] = glue.join(item[key] for item in group)
             else:
                 raise TypeError(f"cannot pack field {key!r} of type {type(value).__name__}")
         packed.append(document)
@@ -259,10 +268,12 @@ def build_tokenized_splits(
     num_proc: int = 1,
     lowercase: bool = False,
     mixed_seed: int | None = None,
+    separator: bool = False,
 ) -> datasets.DatasetDict:
     """Encode each split (items from `split_by_source`, optionally already through `add_word_tokens`),
     optionally joining `document_sentences` pairs into one document (training documents of 1 to
-    `document_sentences` pairs with `mixed_seed`; held-out ones always of `document_sentences`). With documents,
+    `document_sentences` pairs with `mixed_seed`; held-out ones always of `document_sentences`; with `separator`,
+    SEP between their sentences: the tokenizer must have it, see `add_separator`). With documents,
     also the split "train_sentences": the training pairs one per row, truncated to SENTENCE_MAX_LENGTH.
 
     Columns, one row per document (each id list ends with </s>, truncated to the max length):
@@ -278,7 +289,7 @@ def build_tokenized_splits(
     for name, items in splits.items():
         if items and "en_tok" not in items[0]:
             items = add_word_tokens(items, num_proc, lowercase)
-        documents = join_documents(items, document_sentences, mixed_seed if name == "train" else None)
+        documents = join_documents(items, document_sentences, mixed_seed if name == "train" else None, separator)
         source_ids = _encode(tokenizer, [d["en_tok"] for d in documents], max_source_length)
         split = {
             "input_ids": source_ids,
@@ -297,6 +308,13 @@ def build_tokenized_splits(
                 "attention_mask": [[1] * len(x) for x in ids],
                 "labels": _encode(tokenizer, [d["fr_tok"] for d in items], SENTENCE_MAX_LENGTH)})
     return datasets.DatasetDict(columns)
+
+
+def add_separator(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """Adds SEP as a special token (the next id after the vocabulary), so that the BPE never splits it and
+    decoding with skip_special_tokens leaves it out."""
+    tokenizer.add_special_tokens({"additional_special_tokens": [SEP]})
+    return tokenizer
 
 
 def _encode(tokenizer: PreTrainedTokenizerFast, texts: list[str], max_length: int) -> list[list[int]]:
@@ -338,6 +356,7 @@ def prepare(
     num_proc: int = 2,
     lowercase: bool = False,
     mixed_documents: bool = False,
+    sentence_separator: bool = False,
 ) -> tuple[PreTrainedTokenizerFast, datasets.DatasetDict]:
     """Tokenizer and tokenized splits for the recipe, cached under `cache_dir`.
 
@@ -370,6 +389,8 @@ def prepare(
         settings["mixed_documents"] = True
     if document_sentences > 1:  # documents come with their training pairs one per row ("train_sentences")
         settings["train_sentences"] = True
+    if sentence_separator and document_sentences > 1:  # SEP between a document's sentences
+        settings["sentence_separator"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     entry = Path(cache_dir) / f"translation-{key}"
     if not (entry / "settings.json").is_file():  # written last: its presence means the entry is complete
@@ -388,6 +409,9 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
         (text for item in splits["train"] for text in (item["en_tok"], item["fr_tok"])), settings["vocab_size"]
     )
 
+    if settings.get("sentence_separator"):
+        add_separator(tokenizer)
+
     # Build in a scratch folder next to the entry and rename it into place, so a crash leaves no half entry.
     entry.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
@@ -398,6 +422,7 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
             tokenizer, splits, settings["max_source_length"], settings["max_target_length"],
             settings["document_sentences"], lowercase=lowercase,
             mixed_seed=settings["seed"] if settings.get("mixed_documents") else None,
+            separator=settings.get("sentence_separator", False),
         )
         tokenized.save_to_disk(scratch / "dataset")
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import HfArgumentParser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +30,7 @@ def _parsed(recipe, argv, tmp_path):
     groups = ((recipe.ModelArguments, recipe.DataArguments, recipe.RecipeTrainingArguments)
               if hasattr(recipe, "ModelArguments") else (recipe.RecipeArguments, recipe.SFTArguments))
     argv = ["--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache"), *argv]
-    return recipe.HfArgumentParser(groups).parse_args_into_dataclasses(args=argv)
+    return HfArgumentParser(groups).parse_args_into_dataclasses(args=argv)
 
 
 TRANSLATION = {  # flags: the start of the message

@@ -1,5 +1,6 @@
 """Tests for recipes/translation_data.py and metrics/sacrebleu_local (translation demo data). CPU only, ~20 s."""
 
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / evaluate read it
@@ -178,6 +179,22 @@ def test_join_documents():
     assert td.join_documents(held_out, 3)[0]["fr_refs"] == ["a1 b1 c1", "a2 b1 c2", "a1 b1 c3"]
     with pytest.raises(ValueError, match="got 0"):
         td.join_documents(items, 0)
+
+
+def test_sentence_separator(small_tokenizer):
+    """Documents with SEP between sentences on the model's sides; the text and references keep spaces, and
+    decoding drops SEP, so document BLEU scores the same words."""
+    items = [{"en": "A b.", "en_tok": "A b .", "fr": "C d.", "fr_tok": "C d .", "fr_refs": ["C d."]},
+             {"en": "E.", "en_tok": "E .", "fr": "F.", "fr_tok": "F .", "fr_refs": ["F."]}]
+    (doc,) = td.join_documents(items, 2, separator=True)
+    assert doc == {"en": "A b. E.", "en_tok": "A b . <sep> E .", "fr": "C d. F.", "fr_tok": "C d . <sep> F .",
+                   "fr_refs": ["C d. F."]}
+    tokenizer, texts = small_tokenizer
+    tokenizer = td.add_separator(copy.deepcopy(tokenizer))
+    ids = tokenizer(f"{texts[0]} {td.SEP} {texts[1]}")["input_ids"]
+    sep = tokenizer.convert_tokens_to_ids(td.SEP)
+    assert sep == len(tokenizer) - 1 and ids.count(sep) == 1  # one token, never split by the BPE
+    assert tokenizer.batch_decode([ids], skip_special_tokens=True) == [f"{texts[0]} {texts[1]}"]
 
 
 def test_build_tokenized_splits(small_tokenizer, sample):

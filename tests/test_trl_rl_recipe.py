@@ -48,3 +48,25 @@ def test_plot_reads_the_log(tmp_path):
     out = plot_rewards.plot(plot_rewards.load(tmp_path), tmp_path / "reward.png", window=2, title="t")
     assert out.stat().st_size > 0
     assert plot_rewards.smooth([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+
+
+def test_recipe_end_to_end(tmp_path):
+    """The recipe as launched (accelerate, 2 CPU processes, sp_size=2) on a small slice: warm-up, GRPO steps,
+    the eval reward, a plain checkpoint, and the closing generation (a collective under SP) on every rank."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(RECIPES / "accelerate_cpu_2proc.yaml"), str(RECIPES / "grpo_long_context.py"), "--sp_size", "2",
+           "--max_pairs", "3000", "--vocab_size", "500", "--sentences_per_prompt", "4", "--max_prompts", "16",
+           "--eval_prompts", "2", "--hidden_size", "32", "--num_layers", "1", "--num_heads", "2", "--num_kv_heads",
+           "1", "--sft_minutes", "0.05", "--max_steps", "3", "--eval_steps", "2", "--max_completion_length", "4",
+           "--data_cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=RECIPES.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "3 steps; mean reward of the first tenth" in proc.stdout and "eval at step 2" in proc.stdout, proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert proc.stdout.count("OUT:") == 2
