@@ -123,13 +123,15 @@ def plot_vs_deepspeed(records: list[dict], out_dir=FIGURES) -> Path:
 
 
 def plot_vs_peers(records: list[dict], out_dir=FIGURES) -> Path:
-    """Median time ratio ours / peer per case (min-max bars), one panel per peer; below 1: ours faster."""
+    """Median time ratio ours / peer per case (min-max bars), one panel per peer, stacked; below 1: ours
+    faster. The patched path as it runs (`seqpar_hf`); other variants of ours only without it."""
     pairs = sorted({p for r in records for p in r["ratios"]})
-    fig, axes = plt.subplots(1, len(pairs), figsize=(7 * len(pairs), 4.5), squeeze=False)
-    for ax, pair in zip(axes[0], pairs):
+    pairs = [p for p in pairs if p.startswith("seqpar_hf/")] or pairs
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(14, 3.8 * len(pairs)), squeeze=False)
+    for ax, pair in zip(axes[:, 0], pairs):
         rs = [r for r in records if pair in r["ratios"]]
-        labels = [(f"attn kv={r['kv_heads']} {r['seq_len']}" if r["part"] == "attention" else f"{r['model']} "
-                   f"{r['seq_len']}") + f" sp={r['sp']}" for r in rs]
+        labels = [(f"attn kv={r['kv_heads']} {r['seq_len']}" if r["part"] == "attention" else
+                   f"step {r['layers']}L {r['seq_len']}") + f" sp={r['sp']}" for r in rs]
         _bars(ax, labels, [r["ratios"][pair]["median"] for r in rs], [r["ratios"][pair]["min"] for r in rs],
               [r["ratios"][pair]["max"] for r in rs], f"time {pair}", f"Ulysses, {pair.replace('/', ' / ')}")
         ax.axhline(1.0, color="gray", ls="--", lw=1)
