@@ -87,7 +87,7 @@ def measure(config: tuple, tokenizer, train, steps: int, warmup: int, out_dir: s
         trainer = Seq2SeqTrainer(model=model, args=plain, train_dataset=train, data_collator=counted,
                                  processing_class=tokenizer, callbacks=[timer])
     else:
-        args.bf16 = bf16
+        recipe.choose_precision("bf16" if bf16 else "fp32", args)  # sets mixed_precision, which the Trainer reads
         packed = isinstance(batches, int)
         args.train_sampling_strategy = "random" if packed else batches
         collator = Seq2SeqPackingCollator(batches, tokenizer.pad_token_id, model.config.decoder_start_token_id) \

@@ -49,7 +49,10 @@ def choose_precision(requested: str, training_args) -> str:
             fast, where = bool(flags & {"avx512_bf16", "amx_bf16"}), "this CPU"
         requested = "bf16" if fast else "fp32"
         logger.info("precision: %s (auto: bf16 is %sfast on %s)", requested, "" if fast else "not ", where)
-    training_args.bf16 = training_args.bf16 or requested == "bf16"
+    if requested == "bf16" and not training_args.bf16:
+        # TrainingArguments turns bf16 into mixed_precision in __post_init__, and the Trainer's Accelerator reads
+        # only that: setting bf16 alone afterwards trains in fp32 while the logs say bf16
+        training_args.bf16, training_args.mixed_precision = True, "bf16"
     return "bf16" if training_args.bf16 else "fp32"
 
 

@@ -50,6 +50,21 @@ def test_plot_reads_the_log(tmp_path):
     assert plot_rewards.smooth([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--max_pairs", "0"], "--max_pairs 0: must be >= 1 (pairs read from the data file; leave it out for all)"),
+    (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (BPE vocabulary size)"),
+    (["--num_kv_heads", "3"], "--num_kv_heads 3: must divide --num_heads"),
+    (["--sft_minutes", "-1"], "--sft_minutes -1.0: must be >= 0"),
+])
+def test_recipe_flags_checked_before_any_work(argv, message, tmp_path, capsys):
+    """A bad flag is argparse's error (exit code 2) naming the value and what is allowed, before any work."""
+    base = ["--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        recipe.parse_args(base + argv)
+    assert exit_.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
 def test_recipe_end_to_end(tmp_path):
     """The recipe as launched (accelerate, 2 CPU processes, sp_size=2) on a small slice: warm-up, GRPO steps,
     the eval reward, a plain checkpoint, and the closing generation (a collective under SP) on every rank."""

@@ -46,6 +46,7 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
             raise TypeError(f"{type(self).__name__} needs sequence-parallel training arguments "
                             "(SequenceParallelArguments, or the TRL configs in seqpar_hf.training.trl)")
         args.device  # sets up the process group when launched distributed (accelerate / torchrun)
+        _honor_precision_flags(args)
         # the Trainer creates output_dir on the saving rank only: an unwritable one is an error on every rank
         agree(attempt(os.makedirs, args.output_dir, exist_ok=True) if args.should_save else None,
               f"creating output_dir {args.output_dir!r}", args.device)
@@ -59,6 +60,16 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
             # FSDP2 over dp x sp, also on CPU, where the Trainer would silently ignore the request
             self.fsdp_summary = fsdp.shard_model(model, self.layout)
         self._setup_replica()
+
+
+def _honor_precision_flags(args) -> None:
+    """TrainingArguments turns `bf16` / `fp16` into `mixed_precision` in `__post_init__`, and the Trainer's
+    Accelerator reads only that: a flag set on the arguments afterwards would train in fp32 while the logs
+    and the saved arguments say bf16. Set it now, before the Accelerator exists."""
+    for flag in ("bf16", "fp16"):
+        if getattr(args, flag, False) and getattr(args, "mixed_precision", flag) != flag:
+            args.mixed_precision = flag
+            return
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
