@@ -1,7 +1,8 @@
 """Real (non-padding) training tokens per second of the translation recipe's model, side by side in one
 run: plain transformers (`Seq2SeqTrainer` as a user would write it: `DataCollatorForSeq2Seq`, the
-default random batches, fp32) against seqpar_hf's recipe (`SequenceParallelTrainer`: packed rows, bf16
-where the CPU computes it fast), with the steps in between to show where the difference comes from.
+default random batches, fp32, and the same with `bf16=True`) against seqpar_hf's recipe
+(`SequenceParallelTrainer`: packed rows, bf16 where the CPU computes it fast), with the steps in
+between to show where the difference comes from.
 
 Every configuration trains the same model (the recipe's `build_model`) on the same data with 96 sentence
 pairs per step and no evaluation, for --steps steps; the time of each optimizer step is taken between the
@@ -38,6 +39,7 @@ from seqpar_hf.training.packing import Seq2SeqPackingCollator  # noqa: E402
 
 # name, trainer ("plain" transformers / "seqpar_hf"), batches ("random", "group_by_length", packed row size), bf16
 CONFIGS = [("plain Seq2SeqTrainer (random batches, fp32)", "plain", "random", False),
+           ("plain Seq2SeqTrainer (random batches, bf16=True)", "plain", "random", True),
            ("SequenceParallelTrainer, group_by_length, fp32", "seqpar_hf", "group_by_length", False),
            ("SequenceParallelTrainer, packed rows of 128, fp32", "seqpar_hf", 128, False),
            ("SequenceParallelTrainer, packed rows of 128, bf16 (the recipe's default)", "seqpar_hf", 128, True)]
@@ -82,7 +84,7 @@ def measure(config: tuple, tokenizer, train, steps: int, warmup: int, out_dir: s
         plain = Seq2SeqTrainingArguments(out_dir, max_steps=steps, per_device_train_batch_size=96,
                                          learning_rate=args.learning_rate, label_smoothing_factor=0.1,
                                          logging_steps=1000, disable_tqdm=True, report_to="none", save_strategy="no",
-                                         use_cpu=True)
+                                         use_cpu=True, bf16=bf16)
         counted = Counted(padded)
         trainer = Seq2SeqTrainer(model=model, args=plain, train_dataset=train, data_collator=counted,
                                  processing_class=tokenizer, callbacks=[timer])
@@ -125,18 +127,19 @@ def main(argv=None) -> None:
             records.append(rec)
             print(f"round {r}: {rec['config']}: {rec['rate']:.0f} real tokens/s (median step {rec['step_s']:.3f} s)",
                   flush=True)
-    base = statistics.median(x["rate"] for x in records if x["config"] == CONFIGS[0][0])
+    base, base_bf16 = (statistics.median(x["rate"] for x in records if x["config"] == CONFIGS[i][0]) for i in (0, 1))
     rows = []
     for name, *_ in CONFIGS:
         mine = [x for x in records if x["config"] == name]
         rate = statistics.median(x["rate"] for x in mine)
         rows.append({"config": name, "rate": f"{rate:.0f}", "ratio": f"{rate / base:.2f}x",
+                     "ratio_bf16": f"{rate / base_bf16:.2f}x",
                      "tokens": f"{statistics.median(x['tokens'] / x['steps'] for x in mine):.0f}",
                      "step": f"{statistics.median(x['step_s'] for x in mine):.3f}",
                      "all": ", ".join(f"{x['rate']:.0f}" for x in mine)})
     print(table(rows, [("trainer and batches (96 pairs per step)", "config"), ("real tokens/s (median)", "rate"),
-                       ("vs plain Seq2SeqTrainer", "ratio"), ("real tokens per step", "tokens"),
-                       ("median step s", "step"), ("per round", "all")]))
+                       ("vs plain Seq2SeqTrainer", "ratio"), ("vs plain with bf16=True", "ratio_bf16"),
+                       ("real tokens per step", "tokens"), ("median step s", "step"), ("per round", "all")]))
     publish("translation_throughput", records, args)
 
 
