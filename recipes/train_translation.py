@@ -86,10 +86,16 @@ class DataArguments:
     mixed_documents: bool = field(default=True, metadata={
         "help": "With --document_sentences N: training documents of 1 to N pairs (a seeded draw per document), so "
                 "the model learns sentences and documents of every length in one run; held-out documents keep N."})
+    sentence_markers: bool = field(default=True, metadata={
+        "help": "With --document_sentences N: a numbered marker <s1> .. <sN> before each sentence of a document on "
+                "both sides (the warm-start sentences start with a random one), so the decoder writing sentence k "
+                "finds source sentence k by an exact token match instead of counting boundaries over hundreds of "
+                "tokens; generation writes the markers in order, one per source sentence. Dropped from the output "
+                "text. Test document BLEU 34.82 with them, 25.90 without (README)."})
     sentence_separator: bool = field(default=False, metadata={
-        "help": "With --document_sentences N: a <sep> token between a document's sentences on both sides, for "
-                "the model to keep one output sentence per input sentence (dropped from the output text). Off by "
-                "default: not better in the one run measured (README)."})
+        "help": "With --document_sentences N: one <sep> token between a document's sentences on both sides instead "
+                "of the numbered markers (needs --sentence_markers false); not better than nothing in the one run "
+                "measured (README)."})
     sentence_warmup_minutes: float = field(default=-1.0, metadata={
         "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
                 "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
@@ -202,6 +208,9 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
     if d.pack_tokens != -1:
         check.at_least("pack_tokens", d.pack_tokens, 0, "tokens per packed row; 0: padded batches; -1: auto")
     check.at_least("eval_every_minutes", d.eval_every_minutes, 0, "minutes between evaluations; 0: none by time")
+    if d.sentence_separator and d.sentence_markers:
+        raise ValueError("--sentence_separator and --sentence_markers (on by default) both mark the sentences of "
+                         "a document: choose one (--sentence_markers false for <sep>)")
     pack = packed_row_tokens(d)
     if pack and d.document_sentences > 1:
         raise ValueError(f"--pack_tokens {pack} packs sentence pairs into rows; --document_sentences "
@@ -297,7 +306,7 @@ def main(argv=None):
             data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed,
             document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
             max_pairs=data_args.max_pairs, lowercase=data_args.lowercase, mixed_documents=data_args.mixed_documents,
-            sentence_separator=data_args.sentence_separator)
+            sentence_separator=data_args.sentence_separator, sentence_markers=data_args.sentence_markers)
     check_splits(splits, data_args,
                  evaluating=training_args.eval_strategy != "no" or data_args.eval_every_minutes > 0)
     train, validation, test = splits["train"], splits["validation"], splits["test"]

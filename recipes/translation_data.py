@@ -41,6 +41,14 @@ SPECIAL_TOKENS = (PAD, EOS, UNK)
 # A special token added after the BPE is trained (the last id): decoding with skip_special_tokens drops it.
 SEP = "<sep>"
 
+
+def marker(k: int) -> str:
+    """The numbered marker before sentence k (1-based) of a document (documents built with `markers=True`).
+    Unlike one SEP, marker k in the output can match marker k in the source exactly (same embedding), so
+    cross-attention finds the source sentence the decoder is writing without counting boundaries over
+    hundreds of tokens: an anchor per sentence. Special tokens (the last ids): decoding drops them."""
+    return f"<s{k}>"
+
 # BPE marks the end of a word so that decoding can put the spaces back exactly.
 _END_OF_WORD = "</w>"
 
@@ -221,7 +229,7 @@ def document_sizes(count: int, n: int, mixed_seed: int | None = None) -> list[in
 
 
 def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None,
-                   separator: bool = False) -> list[dict]:
+                   separator: bool = False, markers: bool = False) -> list[dict]:
     """Join every `n` consecutive items into one document (the last one may hold fewer; with `mixed_seed`,
     documents of 1..n items, see `document_sizes`); n=1 is the identity. Document-level translation: one
     long sequence per document, attention across its sentences.
@@ -231,8 +239,11 @@ def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None,
     its first where it has fewer. So every reference is a full translation of the document and every
     translation of every sentence appears in one of them (multi-reference BLEU takes the best per n-gram).
     With `separator`, the word-tokenized fields ("en_tok", "fr_tok": what the model reads and writes) are
-    joined with SEP between sentences; the text and the references keep plain spaces.
+    joined with SEP between sentences; with `markers`, each sentence of them starts with its numbered marker
+    (`marker(k)`); the text and the references keep plain spaces.
     """
+    if separator and markers:
+        raise ValueError("separator and markers both mark sentence boundaries: choose one")
     _require_at_least("n", n, 1)
     if n == 1:
         return list(items)
@@ -247,6 +258,8 @@ def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None,
                     " ".join(item["fr_refs"][k] if k < len(item["fr_refs"]) else item["fr_refs"][0] for item in group)
                     for k in range(n_refs)
                 ]
+            elif isinstance(value, str) and markers and key.endswith("_tok"):
+                document[key] = " ".join(f"{marker(k + 1)} {item[key]}" for k, item in enumerate(group))
             elif isinstance(value, str):
                 glue = f" {SEP} " if separator and key.endswith("_tok") else " "
                 document[key] = glue.join(item[key] for item in group)
@@ -269,12 +282,15 @@ def build_tokenized_splits(
     lowercase: bool = False,
     mixed_seed: int | None = None,
     separator: bool = False,
+    markers: bool = False,
 ) -> datasets.DatasetDict:
     """Encode each split (items from `split_by_source`, optionally already through `add_word_tokens`),
     optionally joining `document_sentences` pairs into one document (training documents of 1 to
     `document_sentences` pairs with `mixed_seed`; held-out ones always of `document_sentences`; with `separator`,
-    SEP between their sentences: the tokenizer must have it, see `add_separator`). With documents,
-    also the split "train_sentences": the training pairs one per row, truncated to SENTENCE_MAX_LENGTH.
+    SEP between their sentences: the tokenizer must have it, see `add_separator`; with `markers`, numbered
+    markers, see `add_markers`). With documents, also the split "train_sentences": the training pairs one per
+    row, truncated to SENTENCE_MAX_LENGTH (with `markers`, each starting with a seeded marker of 1..N on both
+    sides, so the warm start teaches the model to copy a marker and translate the sentence after it).
 
     Columns, one row per document (each id list ends with </s>, truncated to the max length):
         input_ids, attention_mask: English ids [<= max_source_length]
@@ -289,7 +305,8 @@ def build_tokenized_splits(
     for name, items in splits.items():
         if items and "en_tok" not in items[0]:
             items = add_word_tokens(items, num_proc, lowercase)
-        documents = join_documents(items, document_sentences, mixed_seed if name == "train" else None, separator)
+        documents = join_documents(items, document_sentences, mixed_seed if name == "train" else None, separator,
+                                   markers)
         source_ids = _encode(tokenizer, [d["en_tok"] for d in documents], max_source_length)
         split = {
             "input_ids": source_ids,
@@ -303,10 +320,13 @@ def build_tokenized_splits(
         columns[name] = datasets.Dataset.from_dict(split)
         if name == "train" and document_sentences > 1:
             # the same training pairs one per row, for a sentence-level warm start (same tokenizer, same split)
+            rng = random.Random(len(items))
+            starts = [f"{marker(rng.randint(1, document_sentences))} " if markers else "" for _ in items]
             columns["train_sentences"] = datasets.Dataset.from_dict({
-                "input_ids": (ids := _encode(tokenizer, [d["en_tok"] for d in items], SENTENCE_MAX_LENGTH)),
+                "input_ids": (ids := _encode(tokenizer, [m + d["en_tok"] for m, d in zip(starts, items)],
+                                             SENTENCE_MAX_LENGTH)),
                 "attention_mask": [[1] * len(x) for x in ids],
-                "labels": _encode(tokenizer, [d["fr_tok"] for d in items], SENTENCE_MAX_LENGTH)})
+                "labels": _encode(tokenizer, [m + d["fr_tok"] for m, d in zip(starts, items)], SENTENCE_MAX_LENGTH)})
     return datasets.DatasetDict(columns)
 
 
@@ -314,6 +334,13 @@ def add_separator(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast
     """Adds SEP as a special token (the next id after the vocabulary), so that the BPE never splits it and
     decoding with skip_special_tokens leaves it out."""
     tokenizer.add_special_tokens({"additional_special_tokens": [SEP]})
+    return tokenizer
+
+
+def add_markers(tokenizer: PreTrainedTokenizerFast, n: int) -> PreTrainedTokenizerFast:
+    """Adds marker(1) .. marker(n) as special tokens (the next ids after the vocabulary), never split by the BPE
+    and dropped by decoding with skip_special_tokens."""
+    tokenizer.add_special_tokens({"additional_special_tokens": [marker(k) for k in range(1, n + 1)]})
     return tokenizer
 
 
@@ -357,6 +384,7 @@ def prepare(
     lowercase: bool = False,
     mixed_documents: bool = False,
     sentence_separator: bool = False,
+    sentence_markers: bool = False,
 ) -> tuple[PreTrainedTokenizerFast, datasets.DatasetDict]:
     """Tokenizer and tokenized splits for the recipe, cached under `cache_dir`.
 
@@ -391,6 +419,8 @@ def prepare(
         settings["train_sentences"] = True
     if sentence_separator and document_sentences > 1:  # SEP between a document's sentences
         settings["sentence_separator"] = True
+    if sentence_markers and document_sentences > 1:  # a numbered marker before each sentence of a document
+        settings["sentence_markers"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     entry = Path(cache_dir) / f"translation-{key}"
     if not (entry / "settings.json").is_file():  # written last: its presence means the entry is complete
@@ -411,6 +441,8 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
 
     if settings.get("sentence_separator"):
         add_separator(tokenizer)
+    if settings.get("sentence_markers"):
+        add_markers(tokenizer, settings["document_sentences"])
 
     # Build in a scratch folder next to the entry and rename it into place, so a crash leaves no half entry.
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -423,6 +455,7 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
             settings["document_sentences"], lowercase=lowercase,
             mixed_seed=settings["seed"] if settings.get("mixed_documents") else None,
             separator=settings.get("sentence_separator", False),
+            markers=settings.get("sentence_markers", False),
         )
         tokenized.save_to_disk(scratch / "dataset")
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")

@@ -140,14 +140,45 @@ class SourceLengthLimit(LogitsProcessor):
         return scores
 
 
+class SentenceMarkerOrder(LogitsProcessor):
+    """Documents with numbered sentence markers (--sentence_markers): the translation writes the markers in
+    order, one per source sentence, and ends only after the last one. So it has exactly the source's number of
+    sentences, aligned by their markers; which words follow each marker is the model's choice."""
+
+    def __init__(self, source_ids: torch.Tensor, marker_ids: list[int], eos_token_id: int):
+        self.markers = torch.tensor(marker_ids)
+        self.sentences = torch.isin(source_ids, self.markers.to(source_ids.device)).sum(-1)  # [batch]
+        self.eos = eos_token_id
+
+    def __call__(self, input_ids, scores):
+        markers = self.markers.to(scores.device)
+        sentences = self.sentences.repeat_interleave(input_ids.shape[0] // self.sentences.shape[0]).to(scores.device)
+        written = torch.isin(input_ids, markers).sum(-1)  # markers written so far, per row (beam)
+        allowed = scores.clone()
+        allowed[:, markers] = float("-inf")
+        rows = torch.nonzero(written < sentences).squeeze(-1)
+        nxt = markers[written[rows].clamp(max=len(markers) - 1)]
+        allowed[rows, nxt] = scores[rows, nxt]  # the next marker, while source sentences are left
+        allowed[rows, self.eos] = float("-inf")  # and no end before the last one
+        return allowed
+
+
 def generation_kwargs_fn(data_args, tokenizer):
-    """Per-batch generate() arguments: the per-sentence length bound from each source's length."""
+    """Per-batch generate() arguments: the per-sentence length bound from each source's length, and with
+    --sentence_markers the markers' order."""
+    docs = data_args.document_sentences
+    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)] \
+        if docs > 1 and data_args.sentence_markers else []
+
     def kwargs(inputs: dict) -> dict:
-        if data_args.max_length_a <= 0:
-            return {}
-        sources = inputs["attention_mask"].sum(-1)
-        limits = (data_args.max_length_a * sources).ceil().long() + data_args.max_length_b
-        return {"logits_processor": LogitsProcessorList([SourceLengthLimit(limits, tokenizer.eos_token_id, 1)])}
+        processors = []
+        if markers:
+            processors.append(SentenceMarkerOrder(inputs["input_ids"], markers, tokenizer.eos_token_id))
+        if data_args.max_length_a > 0:  # last: its forced </s> wins
+            sources = inputs["attention_mask"].sum(-1)
+            limits = (data_args.max_length_a * sources).ceil().long() + data_args.max_length_b
+            processors.append(SourceLengthLimit(limits, tokenizer.eos_token_id, 1))
+        return {"logits_processor": LogitsProcessorList(processors)} if processors else {}
     return kwargs
 
 

@@ -39,6 +39,8 @@ TRANSLATION = {  # flags: the start of the message
     "pack_tokens < pair": (["--pack_tokens", "64"], "--pack_tokens 64: shorter than the longest pair (80 tokens"),
     "pack + documents": (["--pack_tokens", "256", "--document_sentences", "2"],
                          "--pack_tokens 256 packs sentence pairs into rows; --document_sentences 2 joins them"),
+    "separator + markers": (["--document_sentences", "4", "--sentence_separator"],
+                            "--sentence_separator and --sentence_markers (on by default) both mark the sentences"),
     "document_sentences 0": (["--document_sentences", "0"], "--document_sentences 0: must be >= 1 (sentence pairs"),
     "max_train_minutes -1": (["--max_train_minutes", "-1"], "--max_train_minutes -1.0: must be >= 0 (minutes of"),
     "max_train_minutes nan": (["--max_train_minutes", "nan"], "--max_train_minutes nan: must be >= 0"),

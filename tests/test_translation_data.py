@@ -197,6 +197,52 @@ def test_sentence_separator(small_tokenizer):
     assert tokenizer.batch_decode([ids], skip_special_tokens=True) == [f"{texts[0]} {texts[1]}"]
 
 
+def test_sentence_markers(small_tokenizer, sample):
+    """Numbered markers before each sentence of a document on the model's sides (never split by the BPE,
+    dropped by decoding); the warm-start sentences start with one marker of 1..N on both sides."""
+    items = [{"en": "A b.", "en_tok": "A b .", "fr": "C d.", "fr_tok": "C d .", "fr_refs": ["C d."]},
+             {"en": "E.", "en_tok": "E .", "fr": "F.", "fr_tok": "F .", "fr_refs": ["F."]}]
+    (doc,) = td.join_documents(items, 2, markers=True)
+    assert doc == {"en": "A b. E.", "en_tok": "<s1> A b . <s2> E .", "fr": "C d. F.", "fr_tok": "<s1> C d . <s2> F .",
+                   "fr_refs": ["C d. F."]}
+    with pytest.raises(ValueError, match="choose one"):
+        td.join_documents(items, 2, separator=True, markers=True)
+    tokenizer, texts = small_tokenizer
+    tokenizer = td.add_markers(copy.deepcopy(tokenizer), 3)
+    ids = tokenizer(f"{td.marker(1)} {texts[0]} {td.marker(3)} {texts[1]}")["input_ids"]
+    markers = tokenizer.convert_tokens_to_ids([td.marker(k) for k in (1, 2, 3)])
+    assert markers == [len(tokenizer) - 3, len(tokenizer) - 2, len(tokenizer) - 1]
+    assert ids[0] == markers[0] and ids.count(markers[2]) == 1
+    assert tokenizer.batch_decode([ids], skip_special_tokens=True) == [f"{texts[0]} {texts[1]}"]
+    data = td.build_tokenized_splits(tokenizer, td.split_by_source(sample, seed=0), 200, 200, document_sentences=3,
+                                     markers=True)
+    first = data["train"][0]
+    assert [i for i in first["input_ids"] if i in markers] == [i for i in first["labels"] if i in markers] == markers
+    for row in data["train_sentences"].select(range(50)):
+        assert row["input_ids"][0] == row["labels"][0] and row["input_ids"][0] in markers
+        assert sum(i in markers for i in row["input_ids"] + row["labels"]) == 2
+
+
+def test_marker_order_in_generation():
+    """--sentence_markers at generation: markers only in order, one per source sentence, no end before the
+    last; a source without markers leaves the scores alone."""
+    import torch
+    from recipes.translation_training import SentenceMarkerOrder
+    m1, m2, eos = 10, 11, 1
+    source = torch.tensor([[m1, 5, m2, 6, eos], [m1, 5, eos, 0, 0], [5, 6, eos, 0, 0]])
+    order = SentenceMarkerOrder(source, [m1, m2], eos)
+    scores = torch.zeros(6, 12)  # 2 beams per row
+    written = torch.tensor([[0, 7], [0, m1], [0, m1], [0, 7], [0, 7], [0, 7]])
+    out = order(written, scores)
+    inf = float("-inf")
+    assert out[0, m1] == 0 and out[0, m2] == inf and out[0, eos] == inf  # first the first marker
+    assert out[1, m1] == inf and out[1, m2] == 0 and out[1, eos] == inf  # then the second; no end yet
+    assert out[2, m1] == out[2, m2] == inf and out[2, eos] == 0  # the only sentence written: may end
+    assert out[3, m1] == 0 and out[3, eos] == inf
+    assert torch.equal(out[4:, :10], scores[4:, :10]) and (out[4:, 10:] == inf).all()  # no markers in the source
+    assert out[:, 5].eq(0).all()  # words are the model's choice
+
+
 def test_build_tokenized_splits(small_tokenizer, sample):
     tokenizer, _ = small_tokenizer
     splits = td.split_by_source(sample, seed=0)
