@@ -53,7 +53,7 @@ def marker(k: int) -> str:
 _END_OF_WORD = "</w>"
 
 # Bump when preprocessing changes, so old cache entries are not reused.
-_CACHE_FORMAT = 2  # 2: pack_sentences renamed document_sentences
+_CACHE_FORMAT = 3  # 2: pack_sentences renamed document_sentences; 3: BPE ids numbered canonically
 
 # French text in the file puts a no-break space (U+00A0), a narrow no-break space (U+202F) or, rarely, a thin
 # space (U+2009) before ! ? : ; and inside « ». A model cannot tell them apart from a space: make them spaces.
@@ -185,6 +185,23 @@ def add_word_tokens(items: Sequence[dict], num_proc: int = 1, lowercase: bool = 
     return [{**item, "en_tok": en, "fr_tok": fr} for item, en, fr in zip(items, en_tok, fr_tok)]
 
 
+def _canonical_ids(backend: Tokenizer) -> Tokenizer:
+    """The same ids for the same data in every process: tokenizers' BPE trainer numbers the initial alphabet
+    (single characters, with and without "</w>") in hash-map order, which differs between processes, so two
+    nodes building the same cache entry would feed their ranks different ids for the same text. Renumbered:
+    the special tokens keep 0-2, then the alphabet sorted, then each merge's result in merge order."""
+    state = json.loads(backend.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    merged = ["".join(m) if isinstance(m, list) else m.replace(" ", "", 1) for m in merges]
+    merged_set, specials = set(merged), [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+                                         if t in SPECIAL_TOKENS]
+    alphabet = sorted(t for t in vocab if t not in merged_set and t not in SPECIAL_TOKENS)
+    order = specials + alphabet + list(dict.fromkeys(t for t in merged if t in vocab))
+    assert sorted(order) == sorted(vocab), "BPE vocabulary is not its alphabet plus its merges"
+    state["model"]["vocab"] = {token: i for i, token in enumerate(order)}
+    return Tokenizer.from_str(json.dumps(state))
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """One BPE vocabulary shared by English and French, trained on NLTK-tokenized (space-joined) text.
 
@@ -205,6 +222,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer)
+    backend = _canonical_ids(backend)
     backend.post_processor = processors.TemplateProcessing(
         single=f"$A {EOS}", special_tokens=[(EOS, backend.token_to_id(EOS))]
     )
