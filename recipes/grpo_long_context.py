@@ -227,6 +227,7 @@ def main(argv=None):
         tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=recipe.vocab_size, seed=0,
                                                      max_source_length=80, max_target_length=80,
                                                      max_pairs=recipe.max_pairs)
+    translation_data.check_same_tokenizer(tokenizer, args.device)  # a cache per node may differ
     tokenizer.padding_side = "left"
     train = prompts(splits["train"]["input_ids"], recipe.sentences_per_prompt, recipe.max_prompts, tokenizer)
     held_out = prompts(splits["test"]["input_ids"], recipe.sentences_per_prompt, recipe.eval_prompts, tokenizer)

@@ -148,6 +148,7 @@ def main(argv=None):
     with args.main_process_first(desc="preparing the data"):
         tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=8000, seed=0,
                                                      max_source_length=80, max_target_length=80)
+    translation_data.check_same_tokenizer(tokenizer, args.device)  # a cache per node may differ
     held_out = len(splits["train"]) - EVAL_PAIRS  # training never reaches the evaluation pairs, however many documents
     train = documents(splits["train"].select(range(held_out)), recipe.pairs_per_document, recipe.max_documents)
     evaluation = documents(splits["train"].select(range(held_out, len(splits["train"]))),

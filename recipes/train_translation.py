@@ -311,6 +311,7 @@ def main(argv=None):
             document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
             max_pairs=data_args.max_pairs, lowercase=data_args.lowercase, mixed_documents=data_args.mixed_documents,
             sentence_separator=data_args.sentence_separator, sentence_markers=data_args.sentence_markers)
+    translation_data.check_same_tokenizer(tokenizer, training_args.device)  # a cache per node may differ
     check_splits(splits, data_args,
                  evaluating=training_args.eval_strategy != "no" or data_args.eval_every_minutes > 0)
     train, validation, test = splits["train"], splits["validation"], splits["test"]

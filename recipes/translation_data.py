@@ -236,6 +236,33 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
+def tokenizer_digest(tokenizer: PreTrainedTokenizerFast) -> str:
+    """16 hex digits of the sha256 of what maps text to ids: the BPE vocabulary and merges, the added tokens,
+    the normalizer, pre-tokenizer and post-processor (not the truncation or padding settings)."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    kept = {k: state.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(tokenizer: PreTrainedTokenizerFast, device) -> None:
+    """Raise the same ValueError on every rank unless every rank of the job holds the same tokenizer.
+
+    `main_process_first` builds one cache per node, and tokenizers' BPE trainer breaks ties between equally
+    frequent merges by ids it numbers in hash-map order (random per process), so two nodes can train
+    different merges from the same data (seen on small data; `_canonical_ids` only renumbers): their ranks
+    would then train one model on two encodings of the text, silently. One all-gather of 48 bytes a rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from seqpar_hf.parallel.agree import same_on_every_rank
+
+    same_on_every_rank({"tokenizer sha256": tokenizer_digest(tokenizer)}, dist.group.WORLD, device, "the tokenizer",
+                       "Nodes that each built --data_cache_dir can train different BPE merges: build the cache on "
+                       "one node (any run of the recipe with the same data flags builds it first) and copy it to "
+                       "the others, or put --data_cache_dir on a filesystem every node shares.")
+
+
 def document_sizes(count: int, n: int, mixed_seed: int | None = None) -> list[int]:
     """Sentences per document for `count` items: `n` each (the last one fewer), or with `mixed_seed` a seeded
     draw from 1..n per document, so that a model trained on them sees every length up to n."""

@@ -100,6 +100,9 @@ EXPECTED = {
     "save-model-fails": r"OSError: saving the model to .*plain-final failed on rank 0: rank 0: OSError: \[Errno 28\]",
     "output-dir-unwritable": r"NotADirectoryError: creating output_dir '.*a-file/out' failed on rank 0",
     "trainer-sp-sizes-differ": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1",
+    "tokenizers-differ": r"ValueError: ranks disagree on the tokenizer \(tokenizer sha256: rank 0: '[0-9a-f]{16}', "
+                         r"rank 1: '[0-9a-f]{16}'\)\. Nodes that each built --data_cache_dir can train different BPE "
+                         r"merges: build the cache on one node .* and copy it to the others",
 }
 # seconds, on the 2-core machine (shared: loads of 10 seen): the check itself; more where a Trainer trains or
 # saves first, and where the process group is torn down (no-process-group)
@@ -119,6 +122,10 @@ def test_bad_input_raises_on_every_rank_quickly(bad, case):
         message, seconds = rank_results[case]
         assert message is not None and re.search(EXPECTED[case], message), message
         assert seconds < SECONDS.get(case, 1.0), seconds
+
+
+def test_the_same_tokenizer_on_every_rank_passes(bad):
+    assert [rank_results["tokenizer-same"][0] for rank_results in bad] == [None, None]
 
 
 @pytest.mark.parametrize("path", ["plain", "tp", "fsdp"])

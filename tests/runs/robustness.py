@@ -225,6 +225,17 @@ def fingerprint_cost() -> dict:
     return out
 
 
+def tokenizer_case(results: dict) -> None:
+    """The translation recipes' data check: ranks whose caches trained different BPE merges (a cache built per
+    node) stop before training, on every rank; the same tokenizer passes."""
+    from recipes import translation_data as td  # imported first: the check's seconds are its own
+
+    texts = ["the cat sat on the mat .", "le chat est assis sur le tapis ."] * 3
+    same, mine = td.train_tokenizer(texts, 40), td.train_tokenizer(texts, _per_rank((40, 45)))
+    results["tokenizer-same"] = _attempt(lambda: td.check_same_tokenizer(same, torch.device("cpu")))
+    results["tokenizers-differ"] = _attempt(lambda: td.check_same_tokenizer(mine, torch.device("cpu")))
+
+
 def bad_inputs():
     from . import checkpoints
     results = {}
@@ -232,6 +243,7 @@ def bad_inputs():
     layout = seqpar_hf.ParallelLayout(sp_size=2)
     fingerprint_cases(results, layout)
     validation_cases(results, layout)
+    tokenizer_case(results)
 
     def submodule_called_directly():  # what a library that skips the patched forward would do
         model = seqpar_hf.patch_model(build_model("llama"), layout)
