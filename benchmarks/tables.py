@@ -80,7 +80,7 @@ def throughput(records: list[dict]) -> str:
 
 
 TABLES = {"activation_memory": activation_memory, "comm_volume": comm_volume, "throughput": throughput}
-OWN_REPORT = ("vs_deepspeed", "vs_peers", "gpu_rank", "parallel_styles")  # scripts whose `report` renders them
+OWN_REPORT = ("vs_deepspeed", "vs_peers", "attention_breakdown", "gpu_rank", "parallel_styles")  # scripts whose `report` renders them
 
 
 def render(name: str, records: list[dict]) -> str:
