@@ -1,1 +1,2 @@
-"""Benchmark scripts of seqpar_hf; see benchmarks/README.md. Run each as `python benchmarks/<name>.py`."""
+"""Benchmark scripts of seqpar_hf; see benchmarks/README.md. Run each from the repository root as
+`python -m benchmarks.<name>`."""

@@ -11,9 +11,9 @@ activations per transformer layer (Korthikanti et al. 2022, arXiv 2205.05198):
 34 s b h counts a GPT layer with 4h MLP and dropout masks; 5 a s^2 b is the stored attention matrix,
 which SDPA / flash attention never keeps, so the "no s^2" column (34 s b h * 2 / sp) is the closer one.
 
-    python benchmarks/activation_memory.py                 # 512-2048 tokens, ~3 min on 2 CPU cores (4096: 4 processes exceed 24 GB)
-    python benchmarks/activation_memory.py --quick         # 64 / 128 tokens, < 1 min
-    python benchmarks/activation_memory.py --seq-lens 4096 --models llama-gqa --sp 2 4
+    python -m benchmarks.activation_memory                 # 512-2048 tokens, ~3 min on 2 CPU cores (4096: 4 processes exceed 24 GB)
+    python -m benchmarks.activation_memory --quick         # 64 / 128 tokens, < 1 min
+    python -m benchmarks.activation_memory --seq-lens 4096 --models llama-gqa --sp 2 4
 
 One spawn of max(sp) gloo processes (1 torch thread each) runs every layout in turn: sp=1 (and
 the unpatched model) on rank 0 alone with --sp1-threads threads while the others wait at a barrier,
@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import MODELS, build_model, environment, fmt_bytes, make_batch, table  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
+import seqpar_hf
+from benchmarks.common import MODELS, build_model, environment, fmt_bytes, make_batch, table
+from benchmarks.publish import output_options, publish
 
 TARGET_SLACK = 1.10  # saved(sp=N) may exceed saved(sp=1) / N by 10% (replicated masks, indices, loss terms)
 

@@ -10,29 +10,25 @@ installed) and the kernel alone: the same SDPA call on what one rank computes af
 of each time (1 - kernel / time), the exchanges alone compared ((ours - kernel) / (DeepSpeed - kernel), from
 the medians), and the median of the per-round ratios ours / DeepSpeed.
 
-    python benchmarks/attention_breakdown.py                   # sp 2 (kv 2, 4) and 4 (kv 4); 256, 512, 1024 tokens
-    python benchmarks/attention_breakdown.py --quick           # sp 2, kv 2, 256 / 512 tokens, 5 rounds
+    python -m benchmarks.attention_breakdown                   # sp 2 (kv 2, 4) and 4 (kv 4); 256, 512, 1024 tokens
+    python -m benchmarks.attention_breakdown --quick           # sp 2, kv 2, 256 / 512 tokens, 5 rounds
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks.common import environment, table  # noqa: E402
-from benchmarks.peers import REFUSALS, deepspeed_attention, ours_attention  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
-from benchmarks.vs_deepspeed import timed  # noqa: E402
-from benchmarks.vs_peers import _fwd_bwd, calls_per_timing  # noqa: E402
-from seqpar_hf.attention import kernels  # noqa: E402
-from seqpar_hf.attention.heads import split_heads  # noqa: E402
+from benchmarks.common import environment, table
+from benchmarks.peers import REFUSALS, deepspeed_attention, ours_attention
+from benchmarks.publish import output_options, publish
+from benchmarks.vs_deepspeed import timed
+from benchmarks.vs_peers import _fwd_bwd, calls_per_timing
+from seqpar_hf.attention import kernels
+from seqpar_hf.attention.heads import split_heads
 
 
 def _kernel_only(case: dict, n: int, rank: int):

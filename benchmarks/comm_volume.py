@@ -23,27 +23,23 @@ fingerprint all-gather of seqpar_hf/checks.py, the loss all-reduces), are listed
 All-to-all and ring bytes count only what leaves / reaches the rank (a rank's own chunk is a local
 copy); all-gather: its chunk to each of n-1 ranks; all-reduce: 2 (n-1)/n x payload (ring algorithm).
 
-    python benchmarks/comm_volume.py            # Marian-base 1024 -> 768 tokens, Llama-GQA 1024, ~1-2 min
-    python benchmarks/comm_volume.py --quick    # 64 -> 48 tokens, < 1 min
+    python -m benchmarks.comm_volume            # Marian-base 1024 -> 768 tokens, Llama-GQA 1024, ~1-2 min
+    python -m benchmarks.comm_volume --quick    # 64 -> 48 tokens, < 1 min
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import (MODELS, attention_modules, build_model, ceil_to, environment, fmt_bytes,  # noqa: E402
+import seqpar_hf
+from benchmarks.common import (MODELS, attention_modules, build_model, ceil_to, environment, fmt_bytes,
                                make_batch, table)
-from benchmarks.instruments import CollectiveTap, CommMeter  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
+from benchmarks.instruments import CollectiveTap, CommMeter
+from benchmarks.publish import output_options, publish
 
 TOLERANCE = 0.05  # measured within 5% of the formula
 

@@ -1,6 +1,6 @@
 """Test decoding of a trained translation model, with and without the repetition guards.
 
-    python benchmarks/decoding.py runs/default            # the recipe's saved model (--output_dir)
+    python -m benchmarks.decoding runs/default            # the recipe's saved model (--output_dir)
 
 Beam search (4 beams) over the recipe's test set, batches of 128 sentences, one process, twice:
 "before" is what the recipe did before the guards (max_length 80 tokens, no per-sentence bound,
@@ -12,18 +12,16 @@ all references) and decoding time for each, and the share of outputs that reach 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq, LogitsProcessorList
+
+from recipes import translation_data
+from recipes import translation_training as recipe
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]
-
-import torch  # noqa: E402
-from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq, LogitsProcessorList  # noqa: E402
-
-import translation_training as recipe  # noqa: E402
-import translation_data  # noqa: E402
 
 
 def decode(model, tokenizer, test, batch_size: int, guards: bool, max_length: int = 80) -> tuple[list[str], float, int]:

@@ -1,8 +1,8 @@
 """What the patch-time dry run (seqpar_hf/models/probe.py) costs, and whether it raises false alarms in
 half precision, over every class of the zoo (conformance/tiny.py), in one process.
 
-    python benchmarks/dry_run_cost.py                 # -> benchmarks/results/dry_run_cost.json
-    python benchmarks/dry_run_cost.py --classes llama opt
+    python -m benchmarks.dry_run_cost                 # -> benchmarks/results/dry_run_cost.json
+    python -m benchmarks.dry_run_cost --classes llama opt
 
 Per class: milliseconds of `inspect_model` without a sequence split (the full run: backbone, attention
 calls, head; what `sp_size=1` pays) and with one (plus the shard runs, eval and training mode: what

@@ -1,6 +1,6 @@
 """Model-state bytes per rank with FSDP2 over dp x sp, against 16 P / (dp x sp) (fp32 AdamW).
 
-    python benchmarks/fsdp_states.py          # < 1 min on 2 CPU cores
+    python -m benchmarks.fsdp_states          # < 1 min on 2 CPU cores
 
 The bench-44m model of benchmarks/longest_sequence.py (P = 44.04M parameters), patched with
 seqpar_hf at each layout and sharded with `seqpar_hf.training.fsdp.shard_model` (every decoder
@@ -13,15 +13,12 @@ Writes benchmarks/results/fsdp_states.md.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks.longest_sequence import COMMON, SIZES, batch, init_group  # noqa: E402
+from benchmarks.longest_sequence import COMMON, SIZES, batch, init_group
 
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (2, 4), (8, 1)]  # (sp, dp)
 

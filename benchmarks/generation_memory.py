@@ -19,8 +19,8 @@ the unpatched model. fp32, batch 1, no padding, greedy.
    the prompt's) of each run, the two models in turn, the median over runs; 1 thread. CPU timings on a
    shared 2-core machine are indicative only.
 
-    python benchmarks/generation_memory.py            # ~10 min on 2 CPU cores
-    python benchmarks/generation_memory.py --quick    # short lengths: checks the script
+    python -m benchmarks.generation_memory            # ~10 min on 2 CPU cores
+    python -m benchmarks.generation_memory --quick    # short lengths: checks the script
 """
 
 from __future__ import annotations
@@ -28,23 +28,19 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import MODELS, build_model, environment, fmt_bytes, records_of, table  # noqa: E402
-from benchmarks.gpu_rank import init_fake_group, zero_received  # noqa: E402
-from benchmarks.instruments import CollectiveTap  # noqa: E402
-from benchmarks.longest_sequence import CONFIG, Timeline, fit, longest  # noqa: E402
-from benchmarks.publish import json_path, output_options, publish  # noqa: E402
-from seqpar_hf.models import generation  # noqa: E402
-from seqpar_hf.models.state import state_of  # noqa: E402
+import seqpar_hf
+from benchmarks.common import MODELS, build_model, environment, fmt_bytes, records_of, table
+from benchmarks.gpu_rank import init_fake_group, zero_received
+from benchmarks.instruments import CollectiveTap
+from benchmarks.longest_sequence import CONFIG, Timeline, fit, longest
+from benchmarks.publish import json_path, output_options, publish
+from seqpar_hf.models import generation
+from seqpar_hf.models.state import state_of
 
 NEW_TOKENS = 64
 

@@ -9,8 +9,8 @@ chunking. Overlapping the all-to-all with the kernel needs >= 2 GPUs; nothing he
     1, 2, 4 head chunks (`ParallelLayout(head_chunks=c)`): everything chunking adds except the
     communication (packing copies, more and smaller kernels, the pipeline's autograd nodes).
 
-    python benchmarks/gpu_chunks.py            # H200: ~3 min
-    python benchmarks/gpu_chunks.py --quick    # CPU or GPU, tiny sizes: checks the script
+    python -m benchmarks.gpu_chunks            # H200: ~3 min
+    python -m benchmarks.gpu_chunks --quick    # CPU or GPU, tiny sizes: checks the script
 
 Marked untested until run on a lent GPU (this script was written on a CPU-only machine).
 """
@@ -18,21 +18,17 @@ Marked untested until run on a lent GPU (this script was written on a CPU-only m
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import MODELS, build_model, environment, make_batch, table  # noqa: E402
-from benchmarks.gpu_rank import _time, init_fake_group, try_step, zero_received  # noqa: E402
-from benchmarks.instruments import CollectiveTap  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
-from seqpar_hf.attention.heads import chunk_plan, max_chunks  # noqa: E402
+import seqpar_hf
+from benchmarks.common import MODELS, build_model, environment, make_batch, table
+from benchmarks.gpu_rank import _time, init_fake_group, try_step, zero_received
+from benchmarks.instruments import CollectiveTap
+from benchmarks.publish import output_options, publish
+from seqpar_hf.attention.heads import chunk_plan, max_chunks
 
 
 def kernel_times(device, dtype, seq_len: int, heads: int, kv_heads: int, head_dim: int, sp: int, chunks, reps: int):

@@ -22,31 +22,27 @@ Model FLOPs per rank (3 x forward, no recompute; attention 4 s_q s_k d per layer
 over the step time give TFLOP/s per rank and MFU against the measured bf16 matmul rate; the measured
 flash attention rate (forward + backward, counted as 3.5 x forward) is reported next to it.
 
-    python benchmarks/gpu_rank.py                 # H200: ~7 min (sweeps bounded by --budget-s 360)
-    python benchmarks/gpu_rank.py --quick         # CPU or GPU, tiny lengths: checks the fake-group path
-    python benchmarks/gpu_rank.py --modes ulysses ring --sp 8 --models llama-gqa
+    python -m benchmarks.gpu_rank                 # H200: ~7 min (sweeps bounded by --budget-s 360)
+    python -m benchmarks.gpu_rank --quick         # CPU or GPU, tiny lengths: checks the fake-group path
+    python -m benchmarks.gpu_rank --modes ulysses ring --sp 8 --models llama-gqa
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing,  # noqa: E402
+import seqpar_hf
+from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing,
                                environment, fmt_bytes, make_batch, summary, table, write_json)
-from benchmarks.instruments import CollectiveTap  # noqa: E402
-from benchmarks.publish import json_path, output_options, publish  # noqa: E402
+from benchmarks.instruments import CollectiveTap
+from benchmarks.publish import json_path, output_options, publish
 
 
 # ---------------------------------------------------------------------------------------------

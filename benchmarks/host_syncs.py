@@ -1,7 +1,7 @@
 """Host syncs per training forward + backward: how often the patched model waits for a tensor's value.
 
-    python benchmarks/host_syncs.py                 # 2 and 4 gloo processes, the current tree
-    python benchmarks/host_syncs.py --world 2       # one world size
+    python -m benchmarks.host_syncs                 # 2 and 4 gloo processes, the current tree
+    python -m benchmarks.host_syncs --world 2       # one world size
 
 A host sync is any op that reads a tensor's value on the host (`.item()`, `bool(t)`, `.tolist()`,
 data-dependent shapes such as `nonzero`); on CUDA each one stalls the launch queue. They are counted
@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave")
 
 
-def count(world: int, mode: str, ring_size, layers: int, src: str) -> dict:
-    sys.path.insert(0, src)
+def count(world: int, mode: str, ring_size, layers: int, src: str | None) -> dict:
+    if src:  # --src: that checkout's seqpar_hf, not this one's (measuring another tree is the point)
+        sys.path.insert(0, src)
     import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,10 +68,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--src", default=str(ROOT), help="checkout whose seqpar_hf to measure")
+    parser.add_argument("--src", default=None, help="another checkout whose seqpar_hf to measure (default: this one)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from tests.helpers.spawn import spawn
 
     rows = []

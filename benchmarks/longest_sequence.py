@@ -26,9 +26,9 @@ which does not grow), and a third, longer length checks the prediction. The long
 budget is the longest full length (a multiple of 64 x sp) whose predicted peak fits. Target: at
 sp = N the longest sequence is at least 0.9 N times the sp = 1 length, per option.
 
-    python benchmarks/longest_sequence.py                    # CPU: bench-44m, ~10 min on 2 cores
-    python benchmarks/longest_sequence.py --sp 1 2 --options plain --budget-gib 8
-    python benchmarks/longest_sequence.py --device cuda --size bench-155m --budget-gib 80   # GPU
+    python -m benchmarks.longest_sequence                    # CPU: bench-44m, ~10 min on 2 cores
+    python -m benchmarks.longest_sequence --sp 1 2 --options plain --budget-gib 8
+    python -m benchmarks.longest_sequence --device cuda --size bench-155m --budget-gib 80   # GPU
 
 Writes benchmarks/results/longest_sequence.json and .md (and the figure with --plot); the memory
 planner (python -m seqpar_hf.plan) is validated against the json (tests/test_plan.py).
@@ -39,14 +39,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIGURES = Path(__file__).resolve().parent / "figures"

@@ -12,8 +12,8 @@ gloo processes (1 torch thread each), every figure a median over alternating rou
     (forward) and for K/V and the dK/dV accumulators (backward) against the same transfers done
     alone; `exposed` = blocked / alone (0: every hop hid behind the kernel).
 
-    python benchmarks/overlap.py            # worlds 2 and 4; (b) and (c) at 1K-16K tokens (~15 min, idle machine)
-    python benchmarks/overlap.py --quick    # world 2, small sizes (validation, < 2 min)
+    python -m benchmarks.overlap            # worlds 2 and 4; (b) and (c) at 1K-16K tokens (~15 min, idle machine)
+    python -m benchmarks.overlap --quick    # world 2, small sizes (validation, < 2 min)
 
 On CUDA (NCCL) a wait orders streams and never blocks the host; what overlaps there is measured by
 benchmarks/gpu_rank.py --chunks on one GPU only as kernel time (overlap itself needs >= 2 GPUs).
@@ -22,18 +22,14 @@ benchmarks/gpu_rank.py --chunks on one GPU only as kernel time (overlap itself n
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks.common import environment, fmt_bytes, summary, table  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
-from benchmarks.vs_deepspeed import timed  # noqa: E402
+from benchmarks.common import environment, fmt_bytes, summary, table
+from benchmarks.publish import output_options, publish
+from benchmarks.vs_deepspeed import timed
 
 
 class Blocked:

@@ -8,24 +8,20 @@ Rows hold documents of --doc-len tokens each (`position_ids` restarting, no atte
 "Activations" is the step's peak minus what was allocated before it (weights); bytes per token
 staying flat as the row grows is the linear-memory claim of issue 11.
 
-    python benchmarks/packed_memory.py                    # H200: ~1 min
-    python benchmarks/packed_memory.py --quick            # CPU: checks the script (fp32, tiny lengths)
+    python -m benchmarks.packed_memory                    # H200: ~1 min
+    python -m benchmarks.packed_memory --quick            # CPU: checks the script (fp32, tiny lengths)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import MODELS, build_model, environment, fmt_bytes, table, write_json  # noqa: E402
+import seqpar_hf
+from benchmarks.common import MODELS, build_model, environment, fmt_bytes, table, write_json
 
 
 def packed_batch(length: int, doc_len: int, vocab: int, device) -> dict:

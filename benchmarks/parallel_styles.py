@@ -2,8 +2,8 @@
 communicated per transformer layer per rank, measured, against the Megatron-LM formulas (Korthikanti
 et al. 2022, arXiv 2205.05198) and against what HF Llama's code saves under Megatron's rules.
 
-    python benchmarks/parallel_styles.py            # 1024 tokens, ~1-2 min on 2 CPU cores
-    python benchmarks/parallel_styles.py --quick    # 128 tokens, prints the tables, writes nothing
+    python -m benchmarks.parallel_styles            # 1024 tokens, ~1-2 min on 2 CPU cores
+    python -m benchmarks.parallel_styles --quick    # 128 tokens, prints the tables, writes nothing
 
 Layouts: TP alone three ways (transformers' `base_model_tp_plan` through torch's `parallelize_module`,
 the same with Megatron's "f" on each block input, transformers' own `tp_plan="auto"`), seqpar_hf's TP+SP,
@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks.common import environment, table  # noqa: E402
-from benchmarks.instruments import OpCommCounter, saved_storages  # noqa: E402
-from benchmarks.layer_formulas import (E, comm_formula, extras, llama_activations, llama_terms,  # noqa: E402
+from benchmarks.common import environment, table
+from benchmarks.instruments import OpCommCounter, saved_storages
+from benchmarks.layer_formulas import (E, comm_formula, extras, llama_activations, llama_terms,
                                        megatron_activations)
-from benchmarks.publish import output_options, publish  # noqa: E402
+from benchmarks.publish import output_options, publish
 
 WORLD = 4
 LAYERS = (2, 4)

@@ -1,24 +1,21 @@
 """PNG figures from the benchmark JSON records (each script also calls its function after a full run).
 
-    python benchmarks/plot.py                          # every benchmarks/results/<name>.json present
-    python benchmarks/plot.py --results DIR --out DIR  # elsewhere
+    python -m benchmarks.plot                          # every benchmarks/results/<name>.json present
+    python -m benchmarks.plot --results DIR --out DIR  # elsewhere
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from benchmarks.common import FIGURES, RESULTS, records_of  # noqa: E402
+from benchmarks.common import FIGURES, RESULTS, records_of
 
 MIB, GIB = 2 ** 20, 2 ** 30
 

@@ -33,6 +33,6 @@ def publish(name: str, records: list[dict], args) -> None:
         try:
             from benchmarks.plot import PLOTS  # matplotlib only when drawing
         except ImportError as exc:  # the records are written: a missing plotting library costs no run
-            print(f"no figure ({exc}); pip install matplotlib, then python benchmarks/plot.py")
+            print(f"no figure ({exc}); pip install matplotlib, then python -m benchmarks.plot")
             return
         print("figure:", PLOTS[name](records, args.figures))

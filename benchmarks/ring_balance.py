@@ -5,7 +5,7 @@ Counts, for every rank of an SP group, the (query, key) pairs causal attention m
 blocks of the zigzag schedule in seqpar_hf/ring.py). The step time of a ring is set by its slowest
 rank, so the figure of merit is max / mean.
 
-    python benchmarks/ring_balance.py            # markdown table
+    python -m benchmarks.ring_balance            # markdown table
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The README's result tables, rendered from the benchmark JSON records (no measuring here).
 
-    python benchmarks/tables.py                  # every benchmarks/results/<name>.json present
-    python benchmarks/tables.py --results DIR
+    python -m benchmarks.tables                  # every benchmarks/results/<name>.json present
+    python -m benchmarks.tables --results DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import RESULTS, fmt_bytes, records_of, table  # noqa: E402
+from benchmarks.common import RESULTS, fmt_bytes, records_of, table
 
 LAYOUTS = [("unpatched", 1), ("sp1", 1), ("ulysses", 2), ("ring", 2), ("ulysses", 4), ("ring", 4), ("hybrid", 4)]
 

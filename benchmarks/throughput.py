@@ -14,8 +14,8 @@ Tokens per step count source + target tokens (a "2048-token Marian-style step" i
 source and a 2048-token target). Each number is the median of --reps timed runs after --warmup runs;
 the spread is (max - min) / 2 / median. A multi-process step's time is the slowest rank's.
 
-    python benchmarks/throughput.py            # ~3-5 min on 2 free cores
-    python benchmarks/throughput.py --quick    # 128 / 256 tokens, < 1 min
+    python -m benchmarks.throughput            # ~3-5 min on 2 free cores
+    python -m benchmarks.throughput --quick    # 128 / 256 tokens, < 1 min
 """
 
 from __future__ import annotations
@@ -23,19 +23,15 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import MODELS, build_model, environment, make_batch, summary, table  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
+import seqpar_hf
+from benchmarks.common import MODELS, build_model, environment, make_batch, summary, table
+from benchmarks.publish import output_options, publish
 
 OVERHEAD_TARGET = 0.05
 

@@ -11,31 +11,28 @@ of the steps measured. The configurations run in turn for --rounds rounds (each 
 slow spell of the machine hits them all; reported are medians over rounds, and each rate over the plain
 Seq2SeqTrainer's.
 
-    python benchmarks/translation_throughput.py              # ~8 min on 2 CPU cores
-    python benchmarks/translation_throughput.py --quick      # seconds: checks the script
+    python -m benchmarks.translation_throughput              # ~8 min on 2 CPU cores
+    python -m benchmarks.translation_throughput --quick      # seconds: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from transformers import (DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments,  # noqa: E402
+from transformers import (DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments,
                           TrainerCallback)
 
-import seqpar_hf  # noqa: E402
-import train_translation as recipe  # noqa: E402
-import translation_data  # noqa: E402
-from benchmarks.common import environment, table  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
-from seqpar_hf.training.packing import Seq2SeqPackingCollator  # noqa: E402
+import seqpar_hf
+from benchmarks.common import environment, table
+from benchmarks.publish import output_options, publish
+from recipes import train_translation as recipe
+from recipes import translation_data
+from seqpar_hf.training.packing import Seq2SeqPackingCollator
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # name, trainer ("plain" transformers / "seqpar_hf"), batches ("random", "group_by_length", packed row size), bf16
 CONFIGS = [("plain Seq2SeqTrainer (random batches, fp32)", "plain", "random", False),

@@ -15,8 +15,8 @@ slower rank's. Outputs of the two are compared once (max abs difference) as a sa
 
 Needs DeepSpeed (CPU is enough):  DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8
 
-    python benchmarks/vs_deepspeed.py           # 2048 / 8192 tokens + model at 2048, ~4-6 min
-    python benchmarks/vs_deepspeed.py --quick   # 128 / 256 tokens, < 1 min
+    python -m benchmarks.vs_deepspeed           # 2048 / 8192 tokens + model at 2048, ~4-6 min
+    python -m benchmarks.vs_deepspeed --quick   # 128 / 256 tokens, < 1 min
 """
 
 from __future__ import annotations
@@ -27,20 +27,17 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import (MODELS, attention_modules, build_model, environment, make_batch, summary,  # noqa: E402
+import seqpar_hf
+from benchmarks.common import (MODELS, attention_modules, build_model, environment, make_batch, summary,
                                table)
-from benchmarks.publish import output_options, publish  # noqa: E402
-from seqpar_hf.attention import kernels  # noqa: E402
-from seqpar_hf.attention.ulysses import ulysses_attention  # noqa: E402
-from seqpar_hf.models.state import site_of  # noqa: E402  (the per-module AttentionSite; swapped in (b))
+from benchmarks.publish import output_options, publish
+from seqpar_hf.attention import kernels
+from seqpar_hf.attention.ulysses import ulysses_attention
+from seqpar_hf.models.state import site_of  # the per-module AttentionSite; swapped in (b)
 
 
 def load_deepspeed():

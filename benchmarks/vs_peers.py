@@ -24,10 +24,10 @@ their own (never a CUDA torch):
     pip install torch==2.13.0                                            # the CPU build, first
     DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install -e ".[bench,peers]"   # deepspeed, axolotl-ringmaster
 
-    python benchmarks/vs_peers.py           # sp 2 and 4, 256-16384 tokens, kv 2 and 4; model at 2048
-    python benchmarks/vs_peers.py --quick   # 256 / 1024 tokens, model at 256 (validation, < 2 min)
-    python benchmarks/vs_peers.py --model-lens 256 1024 8192 --model-worlds 2 4   # the step at several lengths
-    python benchmarks/vs_peers.py --impls seqpar_hf deepspeed   # a subset of benchmarks/peers.py's IMPLS
+    python -m benchmarks.vs_peers           # sp 2 and 4, 256-16384 tokens, kv 2 and 4; model at 2048
+    python -m benchmarks.vs_peers --quick   # 256 / 1024 tokens, model at 256 (validation, < 2 min)
+    python -m benchmarks.vs_peers --model-lens 256 1024 8192 --model-worlds 2 4   # the step at several lengths
+    python -m benchmarks.vs_peers --impls seqpar_hf deepspeed   # a subset of benchmarks/peers.py's IMPLS
 """
 
 from __future__ import annotations
@@ -37,20 +37,16 @@ import copy
 import dataclasses
 import functools
 import importlib.util
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import seqpar_hf  # noqa: E402
-from benchmarks.common import MODELS, build_model, environment, fmt_bytes, make_batch, summary, table  # noqa: E402
-from benchmarks.instruments import CollectiveTap, CommMeter  # noqa: E402
-from benchmarks.peers import IMPLS, INSTALL, REFUSALS  # noqa: E402
-from benchmarks.publish import output_options, publish  # noqa: E402
-from benchmarks.vs_deepspeed import race_options, timed  # noqa: E402
+import seqpar_hf
+from benchmarks.common import MODELS, build_model, environment, fmt_bytes, make_batch, summary, table
+from benchmarks.instruments import CollectiveTap, CommMeter
+from benchmarks.peers import IMPLS, INSTALL, REFUSALS
+from benchmarks.publish import output_options, publish
+from benchmarks.vs_deepspeed import race_options, timed
 
 TAPPED = ("seqpar_hf", "deepspeed", "ringmaster")  # packages whose aliases of torch.distributed get counted
 

@@ -1,4 +1,6 @@
-"""The padded batches of the sweep: odd lengths, padding on both sides, source length != target length."""
+"""The batches of the sweep's variants: padded (odd lengths, padding on both sides, source length !=
+target length), packed (documents or (source, target) pairs one after another in a row, positions
+restarting) and the prompts / sources of generation. Every one fits a position table of tiny.POSITIONS."""
 
 from __future__ import annotations
 
@@ -7,6 +9,11 @@ import torch
 from .tiny import SPECIAL_IDS, VOCAB
 
 LOW, HIGH = 3, VOCAB - SPECIAL_IDS  # token ids drawn from [LOW, HIGH): no special or modality token
+DOC_LENGTHS = (5, 9, 3, 7, 1)  # one packed row of 25 tokens: documents cross the shard boundaries at sp 2 and 4
+PAIR_LENGTHS = ((4, 6), (7, 3), (2, 5), (6, 6), (1, 2), (5, 4))  # (source, target): 3 rows of <= 12 tokens a side
+PAIR_ROW = 12
+PROMPT_LENGTHS = (11, 7, 4)  # left-padded prompts (as generate wants them), none a multiple of 2 or 4
+SOURCE_LENGTHS = (13, 2, 9)  # right-padded sources
 
 
 def causal_batch(pad_id: int, seed: int = 100, batch: int = 3, length: int = 13, left_pad: bool = True) -> dict:
@@ -61,3 +68,36 @@ def pad_id(model) -> int:
         if getattr(c, "pad_token_id", None) is not None:
             return int(c.pad_token_id)
     return 0
+
+
+def _tokens(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(LOW, HIGH, (n,), generator=g).tolist()
+
+
+def causal_packed_batch(seed: int = 101) -> dict:
+    """One row of documents as transformers' DataCollatorWithFlattening gives it: input_ids and labels
+    [1, 25] (-100 at each document's first token), position_ids restarting per document, no attention mask."""
+    from transformers import DataCollatorWithFlattening
+    g = torch.Generator().manual_seed(seed)
+    docs = [_tokens(g, n) for n in DOC_LENGTHS]
+    return dict(DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in docs]))
+
+
+def seq2seq_pairs(seed: int = 101) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(_tokens(g, a), _tokens(g, b)) for a, b in PAIR_LENGTHS]
+
+
+def generate_inputs(pad_id: int, seq2seq: bool, seed: int = 102) -> dict:
+    """Three rows of different lengths: prompts left-padded, sources right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = SOURCE_LENGTHS if seq2seq else PROMPT_LENGTHS
+    width = max(lengths)
+    ids = torch.randint(LOW, HIGH, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if seq2seq:
+            mask[row, :n] = 1
+        else:
+            mask[row, width - n:] = 1
+    return {"input_ids": ids.masked_fill(mask == 0, pad_id), "attention_mask": mask}

@@ -13,8 +13,6 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),  # weights tied over 2 hybrids
     "lfm2_moe": dict(_layers=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
-    "gemma3n_text": dict(_layers=4, num_kv_shared_layers=2,
-                         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
@@ -49,9 +47,10 @@ OVERRIDES: dict[str, dict] = {
     "musicgen": dict(num_codebooks=1, _labels="codebooks"),  # labels [batch, length, codebooks]
     "musicgen_melody": dict(num_codebooks=1, _labels="codebooks"),
     "encoder-decoder": dict(pad_token_id=0, decoder_start_token_id=1),
+    # its sliding layers' MLA sizes come from swa_* arguments; widths as released, 1/16: q/k 192 + 64, v 128
     "dots3_note_text": dict(num_key_value_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=4,
-                            swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=4, swa_qk_nope_head_dim=4,
-                            swa_v_head_dim=8),  # its sliding layers' MLA sizes come from swa_* arguments
+                            swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=12,
+                            swa_v_head_dim=8),
     "vibevoice_asr": dict(acoustic_tokenizer_encoder_config={"num_filters": 2, "depths": [1] * 7},
                           semantic_tokenizer_encoder_config={"num_filters": 2, "depths": [1] * 7}),
     "nemo_speechlm": dict(audio_config={"diarization_config": {"head_config": {"audio_hidden_size": 32}}},

@@ -6,7 +6,8 @@ vocab 128, position tables 128, windows 4, ...), recursing into sub-configs (tex
 Per-layer lists are cut to the new layer count keeping one layer of each kind, so a 6:1
 sliding:full pattern still has a full-attention layer. Optional sliding windows are switched on
 (window 4: released checkpoints use them, and a window is what can go wrong); latent-attention
-configs get as many kv heads as heads (as their checkpoints say). Dropout and stochastic routing are
+configs get as many kv heads as heads (as their checkpoints say), and head widths keep their released
+proportions (v narrower than q/k stays so: WIDTH_GROUPS). Dropout and stochastic routing are
 off; every weight gets a small random perturbation so that zero-initialised gates, convolutions or
 residual scales do not hide a mixing path. overrides.py holds what the name rules cannot know (hybrid
 layer patterns, defaults that do not build); a class that cannot be built raises `Unbuildable` with
@@ -16,6 +17,7 @@ the reason. The attention is sdpa where the class supports it, else eager.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import transformers
@@ -24,9 +26,12 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 
+from . import released
+
 VOCAB = 128
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 4, 2, 8, 2
-FFN, MOE_FFN, EXPERTS, TOP_K, POSITIONS, WINDOW = 64, 32, 4, 2, 128, 4
+FFN, MOE_FFN, EXPERTS, TOP_K, WINDOW = 64, 32, 4, 2, 4
+POSITIONS = 32  # position tables as small as the batches allow: the longest (the packed row) has 25 tokens
 SPECIAL_IDS = 16  # ids VOCAB-16 .. VOCAB-1 are kept for special / modality tokens; batches draw 3 .. VOCAB-17
 
 # field name -> tiny value (ints); only applied to fields that hold an int larger than the value
@@ -65,8 +70,8 @@ SIZES = {
                      "max_decoder_position_embeddings", "t2u_max_position_embeddings", "model_max_length",
                      "max_inference_chunksize", "rel_extent", "position_bias_max_distance"), POSITIONS),
     **dict.fromkeys(("sliding_window", "window_size", "attention_window_size", "sliding_window_size",
-                     "local_attention_window_len", "keep_window_size", "local_attention", "attention_window"),
-                    WINDOW),
+                     "local_attention_window_len", "keep_window_size", "local_attention", "attention_window",
+                     "attention_chunk_size", "local_radius"), WINDOW),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "o_lora_rank", "adapter_rank", "laurel_rank", "gated_norm_rank",
                      "hc_lowrank", "loop_gate_rank", "prompt_mid_dim", "hidden_size_per_layer_input"), 16),
     **dict.fromkeys(("rotary_dim",), HEAD_DIM // 2),
@@ -84,9 +89,16 @@ SIZES = {
                      "position_bias_num_buckets", "num_centroids", "centroid_intermediate_top_k"), 8),
     **dict.fromkeys(("num_mel_bins",), 16),
 }
+# Head widths shrunk together, keeping their released proportions (multi-head latent attention's q/k =
+# nope + rope vs v: DeepSeek-V3 128 + 64 vs 128 -> 8 + 4 vs 8; q/k and v widths of their own: MiMo-V2 192 vs
+# 128 -> 12 vs 8): divided by their common divisor, in units of WIDTH_UNIT (rotary widths stay even). The
+# first group whose leading field the config has applies; equal widths are left to SIZES.
+WIDTH_UNIT = HEAD_DIM // 2
+WIDTH_GROUPS = (("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), ("head_dim", "v_head_dim"))
 ALWAYS = {"num_key_value_heads", "num_kv_heads", "multi_query_group_num", "num_query_groups", "sliding_window",
           "window_size", "attention_window_size", "sliding_window_size", "local_attention_window_len",
-          "keep_window_size", "local_attention", "attention_window", "n_group", "topk_group", "num_expert_group"}
+          "keep_window_size", "local_attention", "attention_window", "attention_chunk_size", "local_radius", "n_group",
+          "topk_group", "num_expert_group"}
 FILL_NONE = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
               "num_decoder_layers", "num_encoder_layers", "num_blocks", "speech_encoder_layers", "t2u_encoder_layers",
@@ -166,6 +178,11 @@ def shrink(config: PreTrainedConfig, layers: int | None = None) -> dict:
                  and (fields is None or k in fields)]
     n = layers or max([LAYERS] + [min(4, _distinct(everything[k])) for k in per_layer
                                   if all(isinstance(x, str) for x in everything[k])])
+    shared_n, shared = released.kv_shared(everything, fields, n)  # KV-shared layers: every kind twice
+    if layers is None:
+        n = shared_n
+    elif shared_n != n:
+        shared = {"num_kv_shared_layers": n // 2} if shared else {}
     for key in per_layer:
         values.setdefault(key, everything[key])
     # optional sliding windows switched on (released checkpoints use them; the window path is what can go wrong)
@@ -203,11 +220,11 @@ def shrink(config: PreTrainedConfig, layers: int | None = None) -> dict:
                 out[key] = [min(x, SIZES[key]) for x in out[key]]
         elif key == "rope_parameters" and isinstance(value, dict):
             rope = dict(value)
-            if isinstance(rope.get("original_max_position_embeddings"), int):
-                rope["original_max_position_embeddings"] = min(rope["original_max_position_embeddings"], 64)
             if isinstance(rope.get("mrope_section"), list):
                 rope["mrope_section"] = _scaled(rope["mrope_section"], HEAD_DIM // 2)
             out[key] = rope
+    out.update(_head_widths(values))
+    out.update(_released(everything, fields, out, shared))
     # special ids inside the vocabulary; modality tokens at its end, away from the ids batches draw
     spare = iter(range(VOCAB - 1, VOCAB - SPECIAL_IDS, -1))
     for key, value in values.items():
@@ -224,6 +241,44 @@ def shrink(config: PreTrainedConfig, layers: int | None = None) -> dict:
     if isinstance(eos, list):
         out["eos_token_id"] = [e if e < VOCAB else 2 for e in eos][:2]
     return out
+
+
+def _released(everything: dict, fields: dict | None, out: dict, shared: dict) -> dict:
+    """The released ratios of released.py: KV-shared layers, per-layer overrides, rotary_dim, RoPE's
+    original length."""
+    extra = dict(shared)
+    positions = next((v for k, v in everything.items() if k in ("max_position_embeddings", "n_positions",
+                                                                   "max_seq_len") and isinstance(v, int)), None)
+    tiny_positions = min(positions, POSITIONS) if positions else POSITIONS
+    rope = out.get("rope_parameters", everything.get("rope_parameters"))
+    if isinstance(rope, dict) and (fields is None or "rope_parameters" in fields):
+        scaled = released.rope(rope, positions, tiny_positions)
+        if scaled != rope or "rope_parameters" in out:
+            extra["rope_parameters"] = scaled
+    original = everything.get("original_max_position_embeddings")
+    if isinstance(original, int) and (fields is None or "original_max_position_embeddings" in fields):
+        extra["original_max_position_embeddings"] = released.original_positions(original, positions, tiny_positions)
+    head = out.get("head_dim") if isinstance(out.get("head_dim"), int) else HEAD_DIM
+    if fields is None or "rotary_dim" in fields:
+        extra.update(released.rotary_dim(everything, head))
+    types = extra.get("layer_types", out.get("layer_types"))
+    if fields is None or "per_layer_config" in fields or "per_layer_config" in everything:
+        extra.update(released.per_layer_config(everything, {**out, **extra}, types))
+    return extra
+
+
+def _head_widths(values: dict) -> dict:
+    """The tiny head widths of the first of WIDTH_GROUPS the config has (see there); {} for none, or for
+    widths that are all equal (SIZES shrinks those)."""
+    for group in WIDTH_GROUPS:
+        widths = {k: values[k] for k in group if type(values.get(k)) is int}
+        if group[0] not in widths:
+            continue
+        if len(set(widths.values())) < 2:
+            return {}
+        unit = math.gcd(*widths.values())
+        return {k: v // unit * WIDTH_UNIT for k, v in widths.items()}
+    return {}
 
 
 def _sub_configs(config_class) -> dict:

@@ -1,14 +1,17 @@
-"""Conformance sweep: every class of transformers' causal-LM and seq2seq-LM auto mappings, tiny, at
-sp=2 (Ulysses and ring) and tp=2 (where the config has a tensor-parallel plan, or is an
-encoder-decoder), in 2 gloo processes, against the unpatched model.
+"""Conformance sweep: every class of transformers' causal-LM and seq2seq-LM auto mappings, tiny (with
+the released checkpoints' shape ratios, tiny.py / released.py), x layout x variant, against the
+unpatched model. Layouts: sp=2 Ulysses and ring, tp=2 (where the config has a tensor-parallel plan, or
+is an encoder-decoder), in 2 gloo processes; sp=4 hybrid (Ulysses 2 x ring 2) in 4. Variants
+(variants.py): padded, packed, generate (only where the padded row of the same layout is EXACT).
 
     python -m conformance.zoo                       # everything -> conformance/results/zoo.{json,md}
     python -m conformance.zoo --sample              # the CI sample (conformance/sample.py)
-    python -m conformance.zoo --classes llama lfm2 MarianMTModel --out /tmp/zoo
+    python -m conformance.zoo --classes llama lfm2 MarianMTModel --layouts ulysses hybrid \
+        --variants padded generate --out /tmp/zoo
 
-Two worker processes are spawned once and loop over the cases; the parent hands out one case at a
-time (so a rank stuck in a collective can never meet the next case's collectives) and combines
-the two ranks' records. A rank that does not report within HANG_SECONDS of the other (gloo's own
+The worker processes of a group are spawned once and loop over the cases; the parent hands out one case
+at a time (so a rank stuck in a collective can never meet the next case's collectives) and combines
+the ranks' records. A rank that does not report within HANG_SECONDS of the others (gloo's own
 timeout is GLOO_TIMEOUT) is HUNG; a rank that dies is CRASHED; after either, or after any record in
 which something raised after patch_model, the group is killed and a fresh one continues with the
 next case.
@@ -31,7 +34,10 @@ GLOO_TIMEOUT = 60  # seconds a collective waits for its peer
 HANG_SECONDS = GLOO_TIMEOUT + 30  # after one rank reported
 CASE_SECONDS = 300  # for a whole case (build, reference, patched, eval)
 PING_SECONDS = 15
-LAYOUTS = ("ulysses", "ring", "tp2")
+LAYOUTS = ("ulysses", "ring", "tp2", "hybrid")
+WORLD = {"hybrid": 4}  # processes a layout needs; 2 for the others
+VARIANTS = ("padded", "packed", "generate")
+ERROR_KEYS = ("loss_err", "grad_err", "logits_err", "tokens_err", "scores_err")
 RESULTS = Path(__file__).parent / "results"
 CLEAN = ("EXACT", "WRONG", "REFUSED", "NOT-RUNNABLE", "UNBUILDABLE", "NOT-A-TEXT-LM")
 
@@ -55,9 +61,12 @@ def _worker(rank: int, world: int, port: int, tasks, inbox, outbox) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT))
         import seqpar_hf
         from .case import run_case
-        layouts = {"ulysses": seqpar_hf.ParallelLayout(sp_size=2, mode="ulysses"),
-                   "ring": seqpar_hf.ParallelLayout(sp_size=2, mode="ring"),
-                   "tp2": seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)}
+        if world == 4:
+            layouts = {"hybrid": seqpar_hf.ParallelLayout(sp_size=4, mode="hybrid", ring_size=2)}
+        else:
+            layouts = {"ulysses": seqpar_hf.ParallelLayout(sp_size=2, mode="ulysses"),
+                       "ring": seqpar_hf.ParallelLayout(sp_size=2, mode="ring"),
+                       "tp2": seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)}
         outbox.put((rank, "ready", None))
         while True:
             index = inbox.get()
@@ -68,8 +77,8 @@ def _worker(rank: int, world: int, port: int, tasks, inbox, outbox) -> None:
                 dist.all_reduce(ones)
                 outbox.put((rank, "ping", {"ok": ones.item() == world}))
                 continue
-            model_type, class_name, layout = tasks[index]
-            outbox.put((rank, index, run_case(model_type, class_name, layout, layouts)))
+            model_type, class_name, layout, variant = tasks[index]
+            outbox.put((rank, index, run_case(model_type, class_name, layout, variant, layouts)))
     except BaseException:  # noqa: BLE001
         outbox.put((rank, "error", traceback.format_exc()))
     finally:
@@ -78,7 +87,7 @@ def _worker(rank: int, world: int, port: int, tasks, inbox, outbox) -> None:
 
 
 class Group:
-    """Two worker processes sharing one gloo process group."""
+    """`world` worker processes sharing one gloo process group."""
 
     def __init__(self, tasks, world: int = 2):
         import torch.multiprocessing as mp
@@ -150,10 +159,11 @@ class Group:
 
 def combine(task, records: dict, exitcodes: list) -> dict:
     """One row from the ranks' records."""
-    model_type, class_name, layout = task
-    row = {"model_type": model_type, "class": class_name, "layout": layout}
-    if len(records) < 2:
-        missing = [r for r in (0, 1) if r not in records]
+    model_type, class_name, layout, variant = task
+    row = {"model_type": model_type, "class": class_name, "layout": layout, "variant": variant}
+    ranks = range(len(exitcodes))
+    if len(records) < len(exitcodes):
+        missing = [r for r in ranks if r not in records]
         dead = [r for r in missing if exitcodes[r] is not None]
         seen = {r: f"{v.get('status')}: {v.get('reason', '')}" for r, v in records.items()}
         if dead:
@@ -163,24 +173,26 @@ def combine(task, records: dict, exitcodes: list) -> dict:
             row.update(status="HUNG", reason=f"rank {missing} did not report within {HANG_SECONDS}s of the "
                                              f"others; other ranks: {seen}")
         return row
-    a, b = records[0], records[1]
-    for key in ("attn", "params", "kind", "where", "refusal", "float64"):
+    recs = [records[r] for r in ranks]
+    a = recs[0]
+    for key in ("attn", "params", "kind", "shape", "where", "refusal", "at", "float64"):
         if key in a:
             row[key] = a[key]
-    # a gloo timeout on either rank: one rank never joined a collective the other waited in
-    timed_out = any("timed out" in str(r.get("reason", "")).lower() for r in (a, b))
-    if a["status"] != b["status"] or (a["status"] in ("REFUSED", "CRASHED") and a.get("reason") != b.get("reason")):
+    # a gloo timeout on any rank: one rank never joined a collective another waited in
+    timed_out = any("timed out" in str(r.get("reason", "")).lower() for r in recs)
+    if any(r["status"] != a["status"] for r in recs) or \
+            (a["status"] in ("REFUSED", "CRASHED") and any(r.get("reason") != a.get("reason") for r in recs)):
         row.update(status="HUNG" if timed_out else "CRASHED",
-                   reason=f"ranks disagree: rank 0 {a['status']}: {a.get('reason', '')} | "
-                          f"rank 1 {b['status']}: {b.get('reason', '')}")
+                   reason="ranks disagree: " + " | ".join(f"rank {i} {r['status']}: {r.get('reason', '')}"
+                                                          for i, r in enumerate(recs)))
         return row
     row.update(status="HUNG" if timed_out and a["status"] == "CRASHED" else a["status"], reason=a.get("reason", ""))
-    for key in ("loss_err", "grad_err", "logits_err"):
+    for key in ERROR_KEYS:
         if key in a:
-            row[key] = max(a[key], b[key])
+            row[key] = max(r[key] for r in recs)
     if "grad_err" in a:
-        row["worst_param"] = a["worst_param"] if a["grad_err"] >= b["grad_err"] else b["worst_param"]
-    row["seconds"] = max(a.get("seconds", 0), b.get("seconds", 0))
+        row["worst_param"] = max(recs, key=lambda r: r["grad_err"])["worst_param"]
+    row["seconds"] = max(r.get("seconds", 0) for r in recs)
     return row
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,17 +42,20 @@ import transformers
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the translation recipe's data module
-import recipe_checks  # noqa: E402
-import translation_data  # noqa: E402
-
-from seqpar_hf import TimeBudgetCallback  # noqa: E402
-from seqpar_hf.training.trl import (SequenceParallelGRPOConfig, SequenceParallelGRPOTrainer,  # noqa: E402
+from seqpar_hf import TimeBudgetCallback
+from seqpar_hf.training.trl import (SequenceParallelGRPOConfig, SequenceParallelGRPOTrainer,
                                    SequenceParallelSFTConfig, SequenceParallelSFTTrainer)
+
+if __package__:  # imported as recipes.grpo_long_context (tests)
+    from . import recipe_checks, translation_data
+else:  # launched as a script: its folder (with the translation recipe's data module) is on sys.path
+    import recipe_checks
+    import translation_data
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("grpo_long_context")
 FIRST_WORDS = 4  # the prefix the `first_words` reward scores
+CHECKPOINTING = recipe_checks.checkpointing_field()
 
 
 @dataclass
@@ -98,7 +100,12 @@ class GRPOArguments(SequenceParallelGRPOConfig):
     seed: int = 0
     dataloader_num_workers: int = 0
     bf16: bool = False  # TRL turns bf16 on by default, which on a CPU without bf16 units is several times slower
-    gradient_checkpointing: bool = False  # a small model: activations fit; turn on for long prompts on a GPU
+    # every parameter takes part in every step: DDP need not search the graph for unused ones (transformers'
+    # default, True, costs a graph traversal per step and makes DDP warn about it)
+    ddp_find_unused_parameters: bool | None = False
+    # TRL checkpoints by default; a small model's activations fit (turn it on for long prompts on a GPU). Where the
+    # field is activation_checkpointing (False unless set), the old name stays unset: setting it warns
+    gradient_checkpointing: bool | None = None if CHECKPOINTING == "activation_checkpointing" else False
 
 
 def parse_args(argv=None):
@@ -178,7 +185,8 @@ def warm_up(model, train: Dataset, held_out: Dataset, tokenizer, args: GRPOArgum
         output_dir=str(Path(args.output_dir) / "sft"), sp_size=args.sp_size, sp_mode=args.sp_mode,
         sp_ring_size=args.sp_ring_size, per_device_train_batch_size=8, learning_rate=3e-3,
         lr_scheduler_type="constant", max_steps=10000, logging_steps=20, save_strategy="no", report_to="none",
-        max_length=None, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing, seed=args.seed,
+        max_length=None, bf16=args.bf16, seed=args.seed, **{CHECKPOINTING: getattr(args, CHECKPOINTING)},
+        ddp_find_unused_parameters=args.ddp_find_unused_parameters,
         dataloader_num_workers=0, use_cpu=args.use_cpu, per_device_eval_batch_size=8, eval_strategy="no")
     def pairs(data):
         return Dataset.from_dict({"prompt": data["prompt"], "completion": [tokenizer.decode(ref) + tokenizer.eos_token
@@ -254,7 +262,6 @@ def main(argv=None):
         model=model, layout=layout, reward_funcs=make_rewards(tokenizer), args=args, train_dataset=train,
         eval_dataset=held_out, processing_class=tokenizer,
         callbacks=[TimeBudgetCallback(recipe.max_train_minutes), JsonlLog(Path(args.output_dir) / "log.jsonl")])
-    logger.info("%s", trainer.layout)
     trainer.train()
     trainer.save_model(args.output_dir)
     evals = [r for r in trainer.state.log_history if "eval_reward" in r]

@@ -11,7 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
-from figures import pyplot, save
+if __package__:  # imported as recipes.plot_bleu (tests)
+    from .figures import pyplot, save
+else:  # run as a script: its folder is on sys.path
+    from figures import pyplot, save
 
 
 def label(summary: dict, run_dir: Path) -> str:

@@ -10,7 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
-from figures import pyplot, save
+if __package__:  # imported as recipes.plot_rewards (tests)
+    from .figures import pyplot, save
+else:  # run as a script: its folder is on sys.path
+    from figures import pyplot, save
 
 CURVES = (("reward", "reward (sum)"), ("rewards/first_sentence/mean", "first_sentence (F1)"),
           ("rewards/first_words/mean", "first_words (prefix)"))

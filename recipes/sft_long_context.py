@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +34,14 @@ import transformers
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, set_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the translation recipe's data module
-import recipe_checks  # noqa: E402
-import translation_data  # noqa: E402
+from seqpar_hf import TimeBudgetCallback
+from seqpar_hf.training.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer
 
-from seqpar_hf import TimeBudgetCallback  # noqa: E402
-from seqpar_hf.training.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer  # noqa: E402
+if __package__:  # imported as recipes.sft_long_context (tests)
+    from . import recipe_checks, translation_data
+else:  # launched as a script: its folder (with the translation recipe's data module) is on sys.path
+    import recipe_checks
+    import translation_data
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_PAIRS = 2000  # evaluation documents are cut from the last pairs of the training split
@@ -82,7 +83,13 @@ class SFTArguments(SequenceParallelSFTConfig):
     seed: int = 0
     dataloader_num_workers: int = 0
     bf16: bool = False  # TRL turns bf16 on by default, which on a CPU without bf16 units is several times slower
-    gradient_checkpointing: bool = False  # a small model: activations fit; turn on for long rows on a GPU
+    # every parameter takes part in every step: DDP need not search the graph for unused ones (transformers'
+    # default, True, costs a graph traversal per step and makes DDP warn about it)
+    ddp_find_unused_parameters: bool | None = False
+    # TRL checkpoints by default; a small model's activations fit (turn it on for long rows on a GPU). Where the
+    # field is activation_checkpointing (False unless set), the old name stays unset: setting it warns
+    gradient_checkpointing: bool | None = (None if recipe_checks.checkpointing_field() == "activation_checkpointing"
+                                           else False)
 
 
 def parse_args(argv=None):
@@ -170,7 +177,6 @@ def main(argv=None):
 
     trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                                          processing_class=tokenizer, callbacks=[TimeBudgetCallback(recipe.max_train_minutes)])
-    logger.info("%s", trainer.layout)
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(args.output_dir)

@@ -23,10 +23,11 @@ Launch (from the repository root):
     accelerate launch --config_file recipes/accelerate_8gpu.yaml recipes/train_translation.py \
         --sp_size 4 --sp_mode ulysses --pack_tokens 4096 --per_device_train_batch_size 1024 --bf16
 
-`python recipes/train_translation.py --help` lists every flag: the recipe's own (model size, data)
-and all of `SequenceParallelArguments` (= `Seq2SeqTrainingArguments` + `--sp_size`, `--sp_mode`,
-`--sp_ring_size`). The trained model and tokenizer are saved in `--output_dir` as a plain
-transformers checkpoint (`MarianMTModel.from_pretrained(output_dir)` needs no seqpar_hf).
+`python recipes/train_translation.py --help` lists every flag, by section: the sequence-parallel ones
+(`--sp_size`, `--sp_mode`, `--sp_ring_size`, `--tp_size`, ...) first, then the recipe's own (model size,
+data), then the rest of `SequenceParallelArguments` (transformers' `Seq2SeqTrainingArguments`). The trained
+model and tokenizer are saved in `--output_dir` as a plain transformers checkpoint
+(`MarianMTModel.from_pretrained(output_dir)` needs no seqpar_hf).
 """
 
 from __future__ import annotations
@@ -44,15 +45,20 @@ import torch
 import transformers
 from transformers import DataCollatorForSeq2Seq, set_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
-import recipe_checks  # noqa: E402
-import translation_data  # noqa: E402
-from translation_training import (BudgetTrainer, sentence_warm_start, RealTokens, TokenCounter, bleu_metric,  # noqa: E402
-                                  build_model, choose_precision, generation_kwargs_fn, make_compute_metrics,
-                                  use_the_cores)
+import seqpar_hf
+from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
-import seqpar_hf  # noqa: E402
-from seqpar_hf.training.packing import Seq2SeqPackingCollator  # noqa: E402
+if __package__:  # imported as recipes.train_translation (tests, benchmarks)
+    from . import recipe_checks, translation_data
+    from .translation_training import (BudgetTrainer, RealTokens, TokenCounter, bleu_metric, build_model,
+                                       choose_precision, generation_kwargs_fn, make_compute_metrics,
+                                       sentence_warm_start, use_the_cores)
+else:  # launched as a script: its folder is on sys.path
+    import recipe_checks
+    import translation_data
+    from translation_training import (BudgetTrainer, RealTokens, TokenCounter, bleu_metric, build_model,
+                                      choose_precision, generation_kwargs_fn, make_compute_metrics,
+                                      sentence_warm_start, use_the_cores)
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("train_translation")
@@ -164,6 +170,9 @@ class RecipeTrainingArguments(seqpar_hf.SequenceParallelArguments):
     report_to: None | str | list[str] = "none"
     dataloader_num_workers: int = 0
     seed: int = 0
+    # every parameter takes part in every step: DDP need not search the graph for unused ones (transformers'
+    # default, True, costs a graph traversal per step and makes DDP warn about it)
+    ddp_find_unused_parameters: bool | None = False
 
 
 DEFAULT_BATCH = {name: RecipeTrainingArguments.__dataclass_fields__[name].default
@@ -359,7 +368,6 @@ def main(argv=None):
         callbacks=[budget, tokens_log])
     if data_args.lr_decay == "budget" and data_args.max_train_minutes > 0:
         trainer.budget = budget
-    logger.info("%s", trainer.layout)
 
     if warm > 0:
         trainer.train_steps_before = sentence_warm_start(model, tokenizer, splits["train_sentences"], training_args, warm)

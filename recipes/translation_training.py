@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -15,10 +14,12 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, MarianConfig, MarianMTModel, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe's data module, next to this file
-import translation_data  # noqa: E402
+import seqpar_hf
 
-import seqpar_hf  # noqa: E402
+if __package__:  # imported as recipes.translation_training (tests, benchmarks)
+    from . import translation_data
+else:  # imported by recipes/train_translation.py launched as a script: its folder is on sys.path
+    import translation_data
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("train_translation")

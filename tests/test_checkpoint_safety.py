@@ -135,3 +135,117 @@ def test_load_best_model_at_end_finds_the_published_checkpoint(trainer):
     _save(trainer, 2)
     assert trainer.state.best_model_checkpoint == os.path.join(trainer.args.output_dir, "checkpoint-1")
     trainer._load_best_model()  # what train() does with load_best_model_at_end
+
+
+# ---- resuming: unreadable files, a missing optimizer, optimizer state written at another layout ---------
+
+def test_resuming_from_a_truncated_file_names_the_file_and_the_fix(trainer):
+    """safetensors, json and torch would say "incomplete metadata", "Unterminated string", "[Errno 22] Invalid
+    argument", naming neither the file nor what to do."""
+    _save(trainer, 1)
+    path = os.path.join(trainer.args.output_dir, "checkpoint-1")
+    for name in ("model.safetensors", "trainer_state.json", "optimizer.pt"):
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data[:len(data) // 2])
+        with pytest.raises(ValueError, match=rf"^.*checkpoint-1/{name} cannot be read \(\w+: .*\): the file is "
+                                             rf"truncated or corrupt .* Resume from an earlier checkpoint, or delete "
+                                             r".*checkpoint-1 \(resume_from_checkpoint=True then takes the one before "
+                                             r"it\)$"):
+            trainer.train(resume_from_checkpoint=path)
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+
+
+def test_resuming_without_the_optimizer_state_warns_that_it_starts_fresh(trainer):
+    trainer.state.train_batch_size = 8  # what train() records; the Trainer compares it on resume
+    _save(trainer, 4)  # the last step (max_steps=4): the resume loads everything and trains no further step
+    path = os.path.join(trainer.args.output_dir, "checkpoint-4")
+    os.remove(os.path.join(path, "optimizer.pt"))
+    with pytest.warns(UserWarning, match=r"checkpoint-4 has no optimizer.pt: the optimizer and the learning-rate "
+                                         r"scheduler start fresh .* while training resumes at step 4\."):
+        trainer.train(resume_from_checkpoint=path)
+    assert trainer.state.global_step >= 4  # training went on, from the checkpoint's step
+
+
+def _step(trainer):
+    torch.manual_seed(0)
+    for p in trainer.model.parameters():
+        p.grad = torch.randn_like(p)
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    trainer.model.zero_grad(set_to_none=True)  # as a resumed run holds them
+
+
+def test_optimizer_state_follows_its_parameters_into_other_groups(trainer):
+    """What a checkpoint written at tp_size=1 meets at tp_size=2 (the Trainer splits its groups per device mesh):
+    torch numbers the parameters across the groups; the checkpoint records their names, and each parameter's state
+    and its group's settings (lr, weight decay) and schedule load exactly into the new groups."""
+    _step(trainer)
+    _save(trainer, 1)
+    path = os.path.join(trainer.args.output_dir, "checkpoint-1")
+    with open(os.path.join(path, "seqpar_layout.json")) as f:
+        record = json.load(f)
+    assert (record["sp_size"], record["tp_size"], record["dp_size"], record["optimizer_keys"]) == (1, 1, 1, "numbers")
+    assert [len(g) for g in record["optimizer_groups"]] == [len(g["params"]) for g in trainer.optimizer.param_groups]
+
+    saved, saved_schedule = trainer.optimizer, trainer.lr_scheduler
+    decay, no_decay = saved.param_groups
+    trainer.optimizer = torch.optim.AdamW([  # a fresh optimizer, its decayed parameters split in two groups
+        {"params": decay["params"][:1], "weight_decay": decay["weight_decay"]},
+        {"params": decay["params"][1:], "weight_decay": decay["weight_decay"]},
+        {"params": no_decay["params"], "weight_decay": no_decay["weight_decay"]}], lr=trainer.args.learning_rate)
+    trainer.lr_scheduler = None
+    trainer.create_scheduler(num_training_steps=4, optimizer=trainer.optimizer)
+    trainer._load_optimizer_and_scheduler(path)
+
+    group_of = {p: g for g in saved.param_groups for p in g["params"]}
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            # torch's set_optimizer_state_dict hands betas back as a list
+            settings = {k: tuple(v) if isinstance(v, list) else v for k, v in group.items() if k != "params"}
+            assert settings == {k: v for k, v in group_of[p].items() if k != "params"}
+            assert trainer.optimizer.state[p].keys() == saved.state[p].keys()
+            assert all(torch.equal(trainer.optimizer.state[p][k], saved.state[p][k]) for k in saved.state[p])
+    assert trainer.lr_scheduler.base_lrs == [saved_schedule.base_lrs[i] for i in (0, 0, 1)]
+    assert trainer.lr_scheduler.last_epoch == saved_schedule.last_epoch == 1
+
+
+def test_numbered_optimizer_state_without_names_is_refused_at_a_sharded_layout(trainer):
+    """A checkpoint written before the names were recorded (or by another trainer) cannot be matched to a
+    tensor-parallel or FSDP model's parameters: the error names both layouts and the fix."""
+    from seqpar_hf.training import resume
+
+    _save(trainer, 1)
+    path = os.path.join(trainer.args.output_dir, "checkpoint-1")
+    os.remove(os.path.join(path, "seqpar_layout.json"))
+    here = {**resume.describe(trainer.layout, trainer.model), "tp_size": 2, "optimizer_keys": "names"}
+    with pytest.raises(ValueError, match=r"checkpoint-1/optimizer.pt was written at another layout and this run is at "
+                                         r"sp_size=1, tp_size=2, dp_size=1: it numbers the parameters .* without "
+                                         r"recording their names.* Resume at the layout it was written at \(tp_size=1 "
+                                         r"without FSDP\) or from a checkpoint written at this one; a checkpoint saved "
+                                         "there records the names and resumes at any layout$"):
+        resume.check(path, here)
+
+
+def test_optimizer_state_that_cannot_move_exactly_is_refused():
+    """Groups are merged only where their settings agree; every parameter needs its saved state; the scheduler's
+    per-group values must match the saved groups."""
+    from seqpar_hf.training import resume
+
+    saved = {"state": {}, "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": ["a", "b"]},
+                                           {"lr": 1e-3, "weight_decay": 0.0, "params": ["c"]}]}
+    args = ("ckpt/optimizer.pt", dict(sp_size=2, tp_size=1, dp_size=1), dict(sp_size=1, tp_size=2, dp_size=1))
+    assert resume._sources(saved, [["a"], ["b"], ["c"]], *args) == [0, 0, 1]
+    with pytest.raises(ValueError, match=r"^ckpt/optimizer.pt was written at sp_size=2, tp_size=1, dp_size=1 and this "
+                                         r"run is at sp_size=1, tp_size=2, dp_size=1: it holds parameter groups \[0, 1\] "
+                                         r"with different settings .* that this run puts in one group\. Resume at the "
+                                         r"layout it was written at \(sp_size=2, tp_size=1, dp_size=1\) or from a "
+                                         "checkpoint written at this one$"):
+        resume._sources(saved, [["a", "c"], ["b"]], *args)
+    with pytest.raises(ValueError, match=r"it has no state for 1 parameter\(s\) of this model \(\['d'\]\): it was "
+                                         "written for another model"):
+        resume._sources(saved, [["a", "b"], ["c", "d"]], *args)
+    with pytest.raises(ValueError, match="it comes with a scheduler whose base_lrs has 3 entries for 2 groups"):
+        resume._regroup_scheduler({"base_lrs": [1.0, 1.0, 1.0]}, [0, 0, 1], 2, *args)

@@ -110,9 +110,10 @@ def test_transformers_trainer_hooks_we_override_or_read():
 
 
 @pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True), (True, True)])
-def test_cpu_block_kernels_match_the_math(causal, masked):
+@pytest.mark.parametrize("d_v", [8, 6, 12])  # v's own head width (latent attention): the CPU kernel takes one width
+def test_cpu_block_kernels_match_the_math(causal, masked, d_v):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
+    q, k, v = torch.randn(2, 3, 16, 8), torch.randn(2, 3, 16, 8), torch.randn(2, 3, 16, d_v)
     bias = None
     if masked:
         allowed = torch.rand(2, 1, 16, 16) > 0.3

@@ -28,12 +28,12 @@ def _merged(q, k, v, allowed, shards):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_sharded_keys_merged_by_lse_equal_one_softmax(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,d_v", [(4, 4, 8), (4, 2, 8), (6, 1, 8), (4, 2, 5)])  # d_v: latent attention
+def test_sharded_keys_merged_by_lse_equal_one_softmax(heads, kv_heads, d_v):
     g = torch.Generator().manual_seed(0)
     b, s_q, n, d = 3, 2, 13, 8
     q, k, v = torch.randn(b, heads, s_q, d, generator=g), torch.randn(b, kv_heads, n, d, generator=g), \
-        torch.randn(b, kv_heads, n, d, generator=g)
+        torch.randn(b, kv_heads, n, d_v, generator=g)
     allowed = torch.rand(b, 1, s_q, n, generator=g) > 0.3
     allowed[1, :, :, :7] = False  # row 1: the first shards see no key of it
     allowed[:, :, :, 0] = True
@@ -63,7 +63,7 @@ def test_sharded_cache_indices_round_robin_eviction_and_beams():
     assert allowed.shape == (b, 1, 1, 5) and allowed[0, 0, 0].tolist() == [False, True, True, True, True]
     layer.set_window(3)  # a query at 9 sees 7, 8, 9
     assert layer.allowed()[1, 0, 0].tolist() == [False, False, False, True, True]
-    layer.evict(force=True)  # later queries (>= 10) see keys > 7 only
+    layer.evict()  # later queries (>= 10) see keys > 7 only
     assert layer.index.tolist() == [9] and layer.valid.shape == (b, 1)
     cache.reorder_cache(torch.tensor([1, 1]))
     assert layer.keys.shape == (b, h, 1, d) and torch.equal(layer.keys[0], layer.keys[1])
@@ -85,14 +85,70 @@ def test_sp_generate_argument_is_validated(tmp_path):
         SequenceParallelArguments(output_dir=str(tmp_path), sp_generate="sometimes", use_cpu=True, report_to=[])
 
 
-def test_generate_on_a_tensor_parallel_sp_layout_is_refused():
+# sp_size=1 (enabled False) and sp_disabled (plain_depth) too: a TP model's forwards stay tensor-parallel, and
+# one decoding step failed in them (rank 0 a rotary shape error, rank 1 a gloo abort)
+@pytest.mark.parametrize("enabled,plain_depth", [(True, 0), (False, 0), (True, 1)])
+def test_generate_on_a_tensor_parallel_model_is_refused(enabled, plain_depth):
     from seqpar_hf.models.generation import GenerateSP
 
-    layout = SimpleNamespace(enabled=True, sizes=SimpleNamespace(tp_size=2))
-    state = SimpleNamespace(detached=False, decoding=None, plain_depth=0, layout=layout)
+    layout = SimpleNamespace(enabled=enabled, sizes=SimpleNamespace(tp_size=2))
+    state = SimpleNamespace(detached=False, decoding=None, plain_depth=plain_depth, layout=layout)
 
     def original(input_ids=None):  # never reached
         raise AssertionError
 
     with pytest.raises(NotImplementedError, match="tensor-parallel model.*plain_copy"):
         GenerateSP(state, original)(input_ids=torch.ones(1, 3))
+
+
+def test_a_kv_shared_layer_reads_the_shard_its_keys_come_from():
+    """Gemma 3n: a layer that stores no K/V attends over the tensors another layer's `update` returned this
+    step; the periodic eviction runs at the next update, so those tensors stay that layer's shard meanwhile."""
+    from seqpar_hf.models.sharded_cache import EVICT_EVERY
+
+    cache = SequenceShardedCache(sp_size=2, sp_rank=0)
+    cache.begin_prefill(torch.tensor([0, 1, 2]), None, length=6)
+    prompt = torch.randn(1, 1, 3, 4)
+    keys, _ = cache.update(prompt, prompt, layer_idx=0)
+    cache.end_prefill()
+    owner = cache.layer(0)
+    assert cache.layer(1) is None and cache.reader(1, keys, None) is owner
+    with pytest.raises(NotImplementedError, match="layer 1 stores no K/V and attends over keys that are no layer's"):
+        cache.reader(1, keys.clone(), None)
+    owner.set_window(3)
+    with pytest.raises(NotImplementedError, match="layer 1 stores no K/V and reads the cache of a layer with sliding "
+                                                  "window 3, with window None"):
+        cache.reader(1, keys, None)
+    for _ in range(EVICT_EVERY + 2):
+        new = torch.randn(1, 1, 1, 4)
+        keys, _ = cache.update(new, new, layer_idx=0)
+        assert cache.reader(0, keys, 3) is owner and cache.reader(1, keys, 3) is owner
+        assert owner.allowed() is None or owner.allowed().shape[-1] == keys.shape[2]
+    assert owner.keys.shape[2] < EVICT_EVERY  # evicted on the way (a query sees 3 keys)
+
+
+def _allowed_tokens(batch_id, ids):
+    return [5]
+
+
+def test_generation_settings_encode_canonically():
+    """Every rank hashes its generate arguments: tuple keys (`sequence_bias`, also in the generation config)
+    raised TypeError in json. Same arguments -> same text in every process; objects by type, not state."""
+    import json
+
+    from transformers import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList, SuppressTokensLogitsProcessor
+
+    from seqpar_hf.models.generation_check import _settings_text
+
+    def settings(bias, start, banned=(3, 1, 2), tensor=(5, 6)):
+        return {"sequence_bias": bias, "generation_config.sequence_bias": bias, "bad_words_ids": [[5, 6]],
+                "nested": [torch.tensor(tensor)], "banned": set(banned), "dtype": torch.bfloat16,
+                "logits_processor": LogitsProcessorList([SuppressTokensLogitsProcessor([5])]),
+                "stopping_criteria": StoppingCriteriaList([MaxTimeCriteria(60.0, initial_timestamp=start)]),
+                "prefix_allowed_tokens_fn": _allowed_tokens}
+
+    one = _settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0))
+    assert one == _settings_text(settings({(7, 8): -3.0, (11,): 5.0}, 2.0, banned=(2, 1, 3)))
+    assert json.loads(one)["sequence_bias"] == {"pairs": [[[11], 5.0], [[7, 8], -3.0]]}  # by the keys' text
+    assert one != _settings_text(settings({(11,): 4.0, (7, 8): -3.0}, 1.0))
+    assert one != _settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0, tensor=(5, 7)))

@@ -16,12 +16,12 @@ from .helpers.models import build_model, make_batch, relative_error
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("causal,masked,s_k", [(False, False, 64), (True, False, 64), (False, True, 61),
-                                               (True, True, 64)])
-def test_cuda_block_kernels_match_the_math(causal, masked, s_k):
+@pytest.mark.parametrize("causal,masked,s_k,d_v", [(False, False, 64, 32), (True, False, 64, 32), (False, True, 61, 32),
+                                                   (True, True, 64, 32), (True, True, 64, 16), (False, True, 61, 48)])
+def test_cuda_block_kernels_match_the_math(causal, masked, s_k, d_v):  # d_v != 32: latent attention's own v width
     torch.manual_seed(0)
     q = torch.randn(2, 4, 64, 32, device="cuda")
-    k, v = torch.randn(2, 4, s_k, 32, device="cuda"), torch.randn(2, 4, s_k, 32, device="cuda")
+    k, v = torch.randn(2, 4, s_k, 32, device="cuda"), torch.randn(2, 4, s_k, d_v, device="cuda")
     bias = None
     if masked:
         allowed = torch.rand(2, 1, 64, s_k, device="cuda") > 0.3
@@ -108,7 +108,7 @@ def test_longest_sequence_benchmark_runs_on_cuda(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "longest"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "longest_sequence.py"), "--device", "cuda", "--sp", "1",
+    subprocess.run([sys.executable, "-m", "benchmarks.longest_sequence", "--device", "cuda", "--sp", "1",
                     "2", "--options", "plain", "checkpointing + tiled loss", "--lengths", "768", "1280", "2048",
                     "--out", str(out)], check=True, cwd=root, timeout=600)
     rows = json.loads(Path(str(out) + ".json").read_text())["rows"]

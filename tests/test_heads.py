@@ -52,17 +52,18 @@ def test_chunk_count_is_refused_beyond_the_heads_of_a_rank():
 
 
 @pytest.mark.parametrize("h,g,n,chunks", [(8, 2, 4, 2), (6, 2, 4, 1), (12, 4, 8, 1), (5, 1, 2, 2), (10, 2, 4, 2)])
-def test_pack_is_a_copy_and_its_backward_its_inverse(h, g, n, chunks):
+@pytest.mark.parametrize("s_k,d_v", [(5, 4), (3, 6), (5, 2)])  # s_k != s_q: cross-attention; d_v != d: MLA's v
+def test_pack_is_a_copy_and_its_backward_its_inverse(h, g, n, chunks, s_k, d_v):
     """The send buffers hold exactly the heads each destination needs; fed back as gradients they
     give q, k, v again, with kv heads sent to several ranks counted once per copy."""
     plan, split = chunk_plan(h, g, n, chunks), split_heads(h, g, n)
-    b, s_q, s_k, d = 2, 3, 5, 4  # s_q != s_k: cross-attention's flat buffers
-    q, k, v = torch.randn(b, h, s_q, d), torch.randn(b, g, s_k, d), torch.randn(b, g, s_k, d)
+    b, s_q, d = 2, 3, 4
+    q, k, v = torch.randn(b, h, s_q, d), torch.randn(b, g, s_k, d), torch.randn(b, g, s_k, d_v)
     sends = Pack.apply(q, k, v, plan)
-    assert sum(x.numel() for x in sends) == b * d * (h * s_q + 2 * sum(split.kv_sizes) * s_k)
+    assert sum(x.numel() for x in sends) == b * (h * s_q * d + sum(split.kv_sizes) * s_k * (d + d_v))
     first = sends[0][:plan.pieces[0][0].heads * b * s_q * d].view(-1, b, s_q, d)
     assert torch.equal(first, q.transpose(0, 1)[:plan.pieces[0][0].heads])
-    dq, dk, dv, _ = Pack.backward(type("ctx", (), {"plan": plan, "shapes": (q.shape, k.shape)})(), *sends)
+    dq, dk, dv, _ = Pack.backward(type("ctx", (), {"plan": plan, "shapes": (q.shape, k.shape, v.shape)})(), *sends)
     copies = torch.bincount(torch.tensor(split.kv_send or range(g)), minlength=g).float()[None, :, None, None]
     assert torch.equal(dq, q)
     assert torch.allclose(dk, k * copies) and torch.allclose(dv, v * copies)
@@ -70,14 +71,17 @@ def test_pack_is_a_copy_and_its_backward_its_inverse(h, g, n, chunks):
 
 def test_auto_chunks_by_size(monkeypatch):
     n = 2
-    assert auto_chunks(torch.empty(1, 32, 1 << 14, 128), torch.empty(1, 8, 1 << 14, 128), n) == 1  # CPU: never
+    kv = torch.empty(1, 8, 1 << 14, 128)
+    assert auto_chunks(torch.empty(1, 32, 1 << 14, 128), kv, kv, n) == 1  # CPU: never
     monkeypatch.setitem(MIN_CHUNK_BYTES, "meta", 8 << 20)
     small = torch.empty(1, 32, 256, 128, device="meta")
-    assert auto_chunks(small, small[:, :8], n) == 1  # latency-bound: one exchange
+    assert auto_chunks(small, small[:, :8], small[:, :8], n) == 1  # latency-bound: one exchange
     mid = torch.empty(1, 32, 4096, 128, device="meta")  # (32 + 16) heads x 4096 x 128 x 4 B / 2 = 48 MiB sent
-    assert auto_chunks(mid, mid[:, :8], n) == 4  # capped by MAX_AUTO_CHUNKS
-    assert auto_chunks(mid[:, :, :1024], mid[:, :8, :1024], n) == 1  # 12 MiB: one chunk of 8 MiB only
-    assert auto_chunks(mid[:, :2], mid[:, :2], 2) == 1  # one head per rank: nothing to split
+    assert auto_chunks(mid, mid[:, :8], mid[:, :8], n) == 4  # capped by MAX_AUTO_CHUNKS
+    assert auto_chunks(mid[:, :, :1024], mid[:, :8, :1024], mid[:, :8, :1024], n) == 1  # 12 MiB: one chunk of 8 MiB
+    assert auto_chunks(mid[:, :2], mid[:, :2], mid[:, :2], 2) == 1  # one head per rank: nothing to split
+    # a v narrower than q / k (latent attention) counts as it is: (16 + 4 + 4 / 2) heads x 4 MiB / 2 = 22 MiB
+    assert auto_chunks(mid[:, :16], mid[:, :4], mid[:, :4, :, :64], n) == 2
 
 
 @pytest.mark.parametrize("sp,heads,per_node,tp,want", [
@@ -102,7 +106,7 @@ def test_auto_layout_sizes_and_refusals():
         validate_sizes(4, 4, "auto", 2)
     layout = ParallelLayout(sp_size=1, mode="auto")  # nothing to choose without SP
     assert layout.mode == "ulysses" and not layout.enabled
-    with pytest.raises(ValueError, match="head_chunks must be 'auto' or a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"^head_chunks=0 \(--sp_head_chunks\): use 'auto' or a positive integer"):
         ParallelLayout(sp_size=1, head_chunks=0)
 
 
@@ -112,5 +116,6 @@ def test_sp_head_chunks_argument(tmp_path):
     args = SequenceParallelArguments(output_dir=str(tmp_path), sp_head_chunks="2", use_cpu=True, report_to=[])
     assert args.head_chunks() == 2
     assert SequenceParallelArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]).head_chunks() == "auto"
-    with pytest.raises(ValueError, match="--sp_head_chunks 0: must be 'auto' or a positive integer"):
-        SequenceParallelArguments(output_dir=str(tmp_path), sp_head_chunks="0", use_cpu=True, report_to=[])
+    for bad, shown in (("0", "0"), ("two", "'two'")):  # one check, one message: the layout's
+        with pytest.raises(ValueError, match=rf"^head_chunks={shown} \(--sp_head_chunks\): use 'auto' or a positive"):
+            SequenceParallelArguments(output_dir=str(tmp_path), sp_head_chunks=bad, use_cpu=True, report_to=[])

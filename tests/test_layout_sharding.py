@@ -40,6 +40,22 @@ def test_sp1_layout_needs_no_process_group():
     assert (layout.sp_rank, layout.sp_size, layout.dp_size, layout.enabled) == (0, 1, 1, False)
 
 
+def test_a_built_layout_is_never_changed():
+    """mode="auto" resolves into a new layout per model (`resolved`); nothing changes a layout once built: the model
+    patched with it, its groups and its forward's fingerprint all read these values."""
+    from seqpar_hf.parallel.auto import Choice
+    layout = ParallelLayout(sp_size=1, mode="auto")  # nothing to choose without SP: Ulysses over one rank
+    assert layout.mode == "ulysses" and layout.auto_choice is None
+    with pytest.raises(AttributeError, match="ParallelLayout.mode cannot be changed once the layout is built; build "
+                                             "another ParallelLayout"):
+        layout.mode = "ring"
+    with pytest.raises(AttributeError, match="ParallelLayout.auto_choice cannot be changed"):
+        layout.auto_choice = Choice("ring", None, "")
+    with pytest.raises(ValueError, match="is not mode='auto': there is nothing to resolve"):
+        layout.resolved(Choice("ring", None, ""))
+    assert layout.mode == "ulysses"
+
+
 def test_sp2_without_process_group_says_how_to_fix():
     with pytest.raises(RuntimeError, match="init_process_group"):
         ParallelLayout(sp_size=2)

@@ -42,22 +42,36 @@ def one_process():
 
 
 @pytest.mark.parametrize("size,name", [pytest.param(w, c["name"], id=c["name"]) for w in CASES if w > 1
-                                       for c in CASES[w]])
+                                       for c in CASES[w] if not c.get("refused")])
 def test_packed_rows_are_exact(results, size, name):
     for r in results(size)[name]:
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in CASES[1]])
+@pytest.mark.parametrize("name", [c["name"] for c in CASES[1] if not c.get("refused")])
 def test_packed_rows_are_exact_at_sp1(one_process, name):
     for r in one_process[name]:
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
 
 
-@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 4)])
-def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeypatch, causal, window):
+REFUSED = ("OPTForCausalLM lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents of one "
+           "packed row with flash-attention kwargs (seen at patch time); here row 0 starts a new document at token 5")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_packed_rows_the_model_does_not_keep_apart_are_refused_on_every_rank(results, one_process, size):
+    """OPT's unpatched forward lets documents attend to each other (its mask function gets no positions):
+    the same error on every rank, before sharding, naming the module and the way out."""
+    (name,) = [c["name"] for c in CASES[size] if c.get("refused")]
+    errors = [r["error"] for r in (one_process if size == 1 else results(size))[name]]
+    assert len(set(errors)) == 1 and errors[0] is not None and errors[0].startswith(f"seqpar_hf: {REFUSED}"), errors
+    assert "attention_mask=torch.ones_like(input_ids)" in errors[0]
+
+
+@pytest.mark.parametrize("causal,window,d_v", [(True, None, 16), (False, None, 16), (True, 4, 16), (False, 4, 8)])
+def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeypatch, causal, window, d_v):
     """Documents of 2-70 tokens (5 length groups) and trailing padding: the grouped by-document path
-    gives the dense mask's outputs and gradients (fp64)."""
+    gives the dense mask's outputs and gradients (fp64); v of its own head width too (latent attention)."""
     from seqpar_hf.attention import kernels
     from seqpar_hf.attention.masks import MaskSpec, SeqMeta
     from seqpar_hf.attention.pattern import Pattern
@@ -71,7 +85,7 @@ def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeyp
     meta = SeqMeta(ShardPlan.build(s, 1, 0), valid, doc)
     spec = MaskSpec(meta, meta, causal, window)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, s, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, s, width, dtype=torch.float64, requires_grad=True) for width in (16, 16, d_v))
     results = []
     for ratio in (0, 1e9):  # always by document / never
         monkeypatch.setattr(kernels, "DOCUMENT_WORK_RATIO", ratio)
@@ -122,6 +136,18 @@ def test_a_pair_longer_than_the_row():
     assert pack_pairs([(3, 4), (5, 2), (2, 2)], 8) == [[1], [0, 2]]  # 2 rows of 5 + 2 and 5 + 6 tokens
     with pytest.raises(ValueError, match="pair 1 has 9 source and 2 target tokens, longer than a packed row of 8"):
         pack_pairs([(3, 4), (9, 2)], 8)
+
+
+def test_cu_seq_lens_that_the_positions_do_not_say():
+    """Flash attention separates by cu_seq_lens, SDPA / eager by restarting positions without a mask:
+    cu_seq_lens alone (or with an attention_mask) would mean different things to them."""
+    batch = causal_packed_batch(1)
+    cu = batch["cu_seq_lens_q"]
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q describes 6 documents in packed row 0, but comes with "
+                                         r"position_ids that do not restart \(or none\)"):
+        _patched("llama")(input_ids=batch["input_ids"], labels=batch["labels"], cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"6 documents in packed row 0, but comes with an attention_mask"):
+        _patched("llama")(**batch, attention_mask=torch.ones_like(batch["input_ids"]))
 
 
 def test_four_dimensional_masks_point_to_packing():

@@ -10,7 +10,8 @@ import pytest
 
 from .runs.parity import CASES
 
-# fp32: loss, every parameter gradient and gathered logits within 1e-5 relative error.
+# fp32: loss, every parameter gradient and gathered logits within 1e-5 relative error. A case's own `tol`
+# is stricter: a float64 re-run showing that what fp32 leaves is rounding.
 TOL = 1e-5
 
 
@@ -36,7 +37,8 @@ def _params():
 def test_parity(results, size, name):
     per_rank = results(size)[name]
     assert len(per_rank) == size
-    expect = next(c.get("expect") for c in CASES[size] if c["name"] == name)
+    case = next(c for c in CASES[size] if c["name"] == name)
+    expect, tol = case.get("expect"), case.get("tol", TOL)
     if expect:  # mode="auto": what it chose, on every rank
         assert all((r["mode"], r["ring_size"]) == expect for r in per_rank), per_rank[0]
     for r in per_rank:
@@ -44,7 +46,7 @@ def test_parity(results, size, name):
             assert r["logits_err"] < TOL, r
             assert r.get("encoder_err", 0.0) < TOL, r
             continue
-        assert r["loss_err"] < TOL, r
-        assert r["grad_err"] < TOL, r
+        assert r["loss_err"] < tol, r
+        assert r["grad_err"] < tol, r
         # the loss is the same number on every rank of the SP group
         assert len(set(r["group_losses"])) == 1, r

@@ -102,10 +102,11 @@ CLI_CASES = {  # argv: the start of the message
     "seq-len 0": (["--seq-len", "0", "--gpus", "8", "--gpu-memory", "80"], "--seq-len 0: must be a positive integer"),
     "batch 0": ([*RUN, "--batch", "0"], "--batch 0: must be a positive integer (sequences per SP group"),
     "heads 0": ([*RUN, "--heads", "0"], "--heads 0: must be a positive integer (query attention heads)"),
-    "kv_heads 64 > heads": ([*RUN, "--kv_heads", "64"], f"--kv_heads 64: must divide heads of --model llama-3-8b = 32 {GQA}"),
-    "kv_heads 5": ([*RUN, "--heads", "32", "--kv_heads", "5"], f"--kv_heads 5: must divide --heads = 32 {GQA}"),
-    "kv_heads 0": ([*RUN, "--kv_heads", "0"], "--kv_heads 0: must be a positive integer"),
-    "head_dim 0": ([*RUN, "--head_dim", "0"], "--head_dim 0: must be a positive integer"),
+    "kv-heads 64 > heads": ([*RUN, "--kv-heads", "64"], f"--kv-heads 64: must divide heads of --model llama-3-8b = 32 {GQA}"),
+    "kv-heads 5": ([*RUN, "--heads", "32", "--kv-heads", "5"], f"--kv-heads 5: must divide --heads = 32 {GQA}"),
+    "kv-heads 0": ([*RUN, "--kv-heads", "0"], "--kv-heads 0: must be a positive integer"),
+    "kv_heads 0 (the old spelling)": ([*RUN, "--kv_heads", "0"], "--kv-heads 0: must be a positive integer"),
+    "head-dim 0": ([*RUN, "--head-dim", "0"], "--head-dim 0: must be a positive integer"),
     "hidden -1": ([*RUN, "--hidden", "-1"], "--hidden -1: must be a positive integer"),
     "layers 0": ([*RUN, "--layers", "0"], "--layers 0: must be a positive integer (decoder layers)"),
     "ffn 0": ([*RUN, "--ffn", "0"], "--ffn 0: must be a positive integer"),
@@ -223,10 +224,58 @@ def test_exit_codes_of_python_m(monkeypatch, capsys):
         out = capsys.readouterr()
         return exit_.value.code, out.out.splitlines(), out.err.splitlines()
     code, out, _ = run(*RUN)
-    assert code == 0 and out[-1].startswith("recommended: sp=1, tp=1, tiled loss, dp=8"), out
+    assert code == 0 and out[-5].startswith("recommended: sp=1, tp=1, tiled loss, dp=8") and out[-4] == "to run it:", out
     code, out, _ = run("--seq-len", "1000000", "--gpus", "1", "--gpu-memory", "8")
-    assert code == 1 and out[-1].startswith("nothing fits: the smallest peak, 575.9 GiB (sp=1, tp=1, checkpointing, "
-                                            "tiled loss), is above the 7.2 GiB usable per rank"), out
+    assert code == 1 and out[-1] == ("nothing fits: the smallest peak, 575.9 GiB (sp=1, tp=1, checkpointing, tiled loss), "
+                                     "is above the 7.2 GiB usable per rank (8 GiB less the 10% reserve); more ranks or a "
+                                     "shorter sequence"), out  # the run is bf16 already
+    code, out, _ = run("--seq-len", "1000000", "--gpus", "1", "--gpu-memory", "8", "--dtype", "fp32")
+    assert code == 1 and out[-1].endswith("; more ranks, a shorter sequence, or bf16"), out
     code, out, err = run("--seq-len", "-5", "--gpus", "8", "--gpu-memory", "80")
     assert code == 2 and out == [] and err[-1] == ("python -m seqpar_hf.plan: error: --seq-len -5: must be a positive "
                                                    "integer (tokens per sequence)")
+
+
+def test_recommendation_prints_how_to_run_it_and_the_columns(capsys, monkeypatch):
+    """The recommended layout as flags, a launch and a patch_model call; a legend naming every column."""
+    from seqpar_hf.plan import howto
+
+    monkeypatch.setattr(howto, "checkpointing_flag", lambda: "--activation_checkpointing")  # transformers' own name
+    best = plan.main(["--model", "llama-3-8b", "--seq-len", "131072", "--gpus", "8", "--gpu-memory", "80"])
+    out = capsys.readouterr().out.splitlines()
+    assert (best.layout.sp, best.layout.mode, best.layout.checkpointing, best.layout.tiled) == (2, "ulysses", True, True)
+    at = out.index("to run it:")
+    assert out[at - 1].startswith("recommended: sp=2 ulysses, tp=1, checkpointing, tiled loss, dp=4")
+    assert out[at + 1:] == [
+        "  flags:   --sp_size 2 --sp_mode ulysses --activation_checkpointing --bf16  (SequenceParallelArguments, the "
+        "TRL configs, the recipes)",
+        "  launch:  accelerate launch --num_processes 8 --use_fsdp --fsdp_version 2 <script> <flags>  (FSDP2 over dp x "
+        "sp = 8 ranks)",
+        "  python:  layout = seqpar_hf.ParallelLayout(sp_size=2, mode='ulysses'); seqpar_hf.patch_model(model, layout, "
+        "tiled_loss=True); model.gradient_checkpointing_enable(); seqpar_hf.training.fsdp.shard_model(model, layout)"]
+    header = next(line for line in out if line.startswith("layout "))
+    legend = out[out.index(howto.LEGEND.splitlines()[0]):at - 1]
+    assert [c for c in header.split()[1:] if c not in ("GiB", "at")] == ["states", "fsdp", "activ.", "logits", "comm",
+                                                                          "peak"]
+    assert [line.split()[0] for line in legend if line.startswith("  ") and not line.startswith("   ")] == [
+        "states", "fsdp", "activ.", "logits", "comm", "peak"]
+
+
+def test_tensor_parallel_and_small_logits_flags():
+    """TP is a flag of its own and never gets the tiled loss (refused under TP); a tiled loss whose logits stay
+    below the trainers' 'auto' threshold is asked for by name."""
+    from seqpar_hf.plan import howto
+
+    tp = howto.run_lines(plan.Layout(sp=2, tp=2, mode="ring", tiled=True), gpus=4, dtype="fp32", logits_per_rank=2**30)
+    assert tp[1].split("  (")[0] == "  flags:   --sp_size 2 --sp_mode ring --tp_size 2"
+    assert "tiled_loss" not in tp[3] and "(FSDP2 over dp x sp = 2 ranks)" in tp[2]
+    small = howto.run_lines(plan.Layout(tiled=True), gpus=1, dtype="bf16", logits_per_rank=1000)
+    assert "patch the model with tiled_loss=True before the trainer" in small[1]
+    assert small[2] == "  launch:  accelerate launch --num_processes 1 <script> <flags>" and "shard_model" not in small[3]
+
+
+def test_old_flag_spelling_is_the_same_flag(capsys):
+    plan.main([*RUN, "--kv_heads", "4", "--head_dim", "64"])
+    old = capsys.readouterr().out
+    plan.main([*RUN, "--kv-heads", "4", "--head-dim", "64"])
+    assert capsys.readouterr().out == old and "32/4 heads" in old

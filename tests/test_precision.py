@@ -4,17 +4,12 @@ and the Trainer's Accelerator reads only that, so a flag set afterwards (as the 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from datasets import Dataset
 
 import seqpar_hf
 
 from .helpers.models import build_model
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _linear_dtypes_of_one_step(args) -> set:
@@ -43,9 +38,9 @@ def test_bf16_set_after_the_arguments_still_trains_in_bf16(tmp_path):
 
 
 def test_recipe_precision_reaches_the_trainer(tmp_path):
-    sys.path.insert(0, str(ROOT / "recipes"))
     from transformers import Seq2SeqTrainingArguments
-    from translation_training import choose_precision
+
+    from recipes.translation_training import choose_precision
 
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     assert choose_precision("bf16", args) == "bf16" and args.mixed_precision == "bf16"

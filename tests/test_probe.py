@@ -61,17 +61,25 @@ def test_refusal_names_the_module_why_and_the_fix(model_type, class_name, expect
 
 
 def _state(model):
-    return ({k: v.clone() for k, v in model.state_dict().items()}, [m.training for m in model.modules()],
-            {n: dict(vars(m)) for n, m in model.named_modules()}, torch.get_rng_state(),
-            copy.deepcopy(model.config.to_dict()), model.config._attn_implementation)
+    return ({k: v.clone() for k, v in [*model.state_dict().items(), *model.named_buffers()]},
+            [m.training for m in model.modules()], {n: dict(vars(m)) for n, m in model.named_modules()},
+            torch.get_rng_state(), copy.deepcopy(model.config.to_dict()), model.config._attn_implementation)
+
+
+def _dynamic_rope_llama():
+    from tests.helpers.models import build_model, rope
+    return build_model("llama", rope_parameters=rope("dynamic"), max_position_embeddings=8)
 
 
 @pytest.mark.parametrize("model_type,class_name", [("llama", "LlamaForCausalLM"),
                                                    ("nllb-moe", "NllbMoeForConditionalGeneration"),
-                                                   ("lfm2", "Lfm2ForCausalLM"), ("roberta", "RobertaForCausalLM")])
+                                                   ("lfm2", "Lfm2ForCausalLM"), ("roberta", "RobertaForCausalLM"),
+                                                   ("llama", "dynamic rope")])
 def test_dry_run_leaves_model_rng_and_config_untouched(model_type, class_name):
-    """NLLB-MoE's router stores its capacity on itself in forward; RoBERTa's buffers; refused or not."""
-    model = _model(model_type, class_name)
+    """NLLB-MoE's router stores its capacity on itself in forward; RoBERTa's buffers; refused or not.
+    Dynamic RoPE re-registers its inv_freq buffer when the dry run's 25 tokens pass max_position_embeddings
+    (8): the model gets its own buffer back."""
+    model = _dynamic_rope_llama() if class_name == "dynamic rope" else _model(model_type, class_name)
     model.train()
     model.get_output_embeddings().eval()  # mixed modes survive
     before = _state(model)
@@ -109,6 +117,67 @@ def test_what_the_dry_run_proves():
     assert inspect_model(_model("roberta", "RobertaForCausalLM"), split=True).default_positions == "padding_aware"
     assert inspect_model(_model("opt", "OPTForCausalLM"), split=True).default_positions == "mask_cumsum"
     assert inspect_model(_model("llama", "LlamaForCausalLM"), split=True).default_positions == "arange"
+
+
+def _parity_at_sp1(model, batch, tol=1e-5):
+    reference = copy.deepcopy(model)
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    out, expected = model(**batch), reference(**batch)
+    out.loss.backward(), expected.loss.backward()
+    assert abs(out.loss.item() - expected.loss.item()) <= tol * expected.loss.item()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        err = ((p.grad - q.grad).norm() / q.grad.norm().clamp(min=1e-12)).item()
+        assert err <= tol, (name, err)
+
+
+def test_dynamic_rope_at_the_table_length_after_the_dry_run():
+    """A batch exactly max_position_embeddings long neither grows nor resets dynamic RoPE's frequencies:
+    it ran with the ones the dry run had grown (gradients 5e-2 off before the dry run restored them)."""
+    from tests.helpers.models import make_batch
+    _parity_at_sp1(_dynamic_rope_llama(), make_batch("llama", 100, length=8, pad=False))
+
+
+def test_packed_rows_decided_by_behaviour():
+    """Llama's mask function separates the documents of packed rows; OPT's and RoBERTa-as-decoder's are not
+    given the positions, so their documents attend to each other: refused, for every kind of packed batch,
+    naming the first module where documents meet. Under flash attention transformers separates documents
+    in one-row batches only."""
+    assert inspect_model(_model("llama", "LlamaForCausalLM"), split=True).packed_rows == {}
+    kinds = {"one packed row", "one packed row with flash-attention kwargs", "several packed rows"}
+    for model_type, class_name, where in [("opt", "OPTForCausalLM", "model.decoder.layers.0.self_attn (OPTAttention)"),
+                                          ("roberta", "RobertaForCausalLM",
+                                           "roberta.encoder.layer.0.attention.self (RobertaSelfAttention)")]:
+        refused = inspect_model(_model(model_type, class_name)).packed_rows
+        assert set(refused) == kinds
+        assert all(why.startswith(f"{class_name} lets {where} attend across the documents of {kind}")
+                   for kind, why in refused.items()), refused
+    flash = _model("llama", "LlamaForCausalLM")
+    flash.config._attn_implementation = "flash_attention_2"  # the dry run never calls it: no kernel needed
+    assert set(inspect_model(flash).packed_rows) == {"several packed rows"}
+
+
+def _gpt2(positions: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=positions, n_embd=32, n_layer=2, n_head=4,
+                                      bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
+def test_a_short_position_table_gets_a_shorter_dry_run():
+    """GPT-2 with 16 positions was refused (the dry run passed 25 tokens); now proven on 16, still split
+    2 ways and zigzagged, and still refusing what mixes tokens (GPT's hand-written attention). Under 8
+    positions no dry run fits: refused, naming the table."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+    family = inspect_model(_gpt2(16), split=True, ring=True)
+    assert family.packed_rows == {} and family.default_positions == "arange"
+    _parity_at_sp1(_gpt2(16), {"input_ids": torch.arange(3, 19)[None], "labels": torch.arange(3, 19)[None]})
+    gpt = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=4))
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn \(Attention\) computes attention itself"):
+        inspect_model(gpt, split=True, ring=True)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel: transformer.wpe \(Embedding\) holds 7 positions, too few "
+                                         r"for the dry run that proves the model shards exactly"):
+        inspect_model(_gpt2(7), split=True)
 
 
 def test_a_backbone_alone_is_proven_the_same_way():

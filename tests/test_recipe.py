@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # -- tier 1: every bad flag refused right after parsing, naming the flag, the value and what is allowed ----------
 @pytest.fixture(scope="module")
 def recipes():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    import sft_long_context
-    import train_translation
+    from recipes import sft_long_context, train_translation
     return {"translation": train_translation, "sft": sft_long_context}
 
 
@@ -125,6 +123,34 @@ def test_recipe_parse_args_exits_2_with_one_line(recipes, recipe_name, tmp_path,
                                                                      "by the local processes)")
 
 
+HELP_SECTIONS = {
+    "translation": ["sequence parallelism (seqpar_hf)", "model (this recipe)", "data (this recipe)",
+                    "training arguments (transformers Seq2SeqTrainingArguments, with this recipe's defaults)"],
+    "sft": ["sequence parallelism (seqpar_hf)", "this recipe",
+            "training arguments (trl SFTConfig, with this recipe's defaults)"],
+}
+
+
+@pytest.mark.parametrize("recipe_name", ["translation", "sft"])
+def test_help_starts_with_the_sequence_parallel_flags(recipes, recipe_name, capsys, tmp_path):
+    """--help: a one-line usage, the SP flags in their own section first, the recipe's, then transformers' long
+    list; every flag still parses (the flags of every section reach their dataclass)."""
+    with pytest.raises(SystemExit) as exit_:
+        recipes[recipe_name].parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: ") and out.splitlines()[1] == ""
+    assert re.findall(r"^(\S.*):$", out, re.M) == ["options", *HELP_SECTIONS[recipe_name]]
+    sp = out.split("sequence parallelism (seqpar_hf):")[1].split("\n\n")[0]
+    assert re.findall(r"^  (--\w+)", sp, re.M)[:5] == ["--sp_size", "--sp_mode", "--sp_ring_size", "--sp_head_chunks",
+                                                       "--tp_size"]
+    recipe = recipes[recipe_name]
+    parsed = recipe.parse_args(["--sp_size", "1", "--sp_mode", "ring", "--learning_rate", "0.5", "--num_threads", "1",
+                                "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache")])
+    training, own = parsed[-1], parsed[-2]
+    assert (training.sp_mode, training.learning_rate, own.num_threads) == ("ring", 0.5, 1)
+    assert training.ddp_find_unused_parameters is False  # every parameter is used: no DDP graph search, no warning
+
+
 def test_translation_refuses_empty_splits(recipes):
     """A small --max_pairs leaves no held-out sentence: refused after preparing (same data on every rank)."""
     check, data_args = recipes["translation"].check_splits, recipes["translation"].DataArguments(max_pairs=20)
@@ -164,8 +190,7 @@ def test_recipe_logs_bleu_and_eval_speed(recipe_run):
 def test_saved_model_translates_with_plain_transformers(recipe_run):
     log, model_dir = recipe_run
     script = f"""
-import sys; sys.path.insert(0, {str(ROOT / 'recipes')!r})
-import translation_data
+from recipes import translation_data
 from transformers import AutoTokenizer, MarianMTModel
 tokenizer = AutoTokenizer.from_pretrained({str(model_dir)!r})
 model = MarianMTModel.from_pretrained({str(model_dir)!r}).eval()
@@ -174,6 +199,6 @@ out = model.generate(**batch, num_beams=2, max_length=24)
 print("TRANSLATION", repr(translation_data.decode_french(tokenizer, out.tolist())[0]))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT)  # `recipes` from the repository root
     assert proc.returncode == 0 and "TRANSLATION" in proc.stdout, proc.stderr[-3000:]
     assert "seqpar" not in (model_dir / "config.json").read_text()

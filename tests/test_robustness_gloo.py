@@ -13,6 +13,11 @@ import pytest
 FINGERPRINT = r"ranks of one replica .* got different batches or settings \("
 LAYOUTS = r"ranks disagree on the ParallelLayout they build \("
 ATTENTION_CHANGED = r"RuntimeError: the attention implementation of this patched model was changed to '{}' after patch_model"
+# the weights' checksum, compared with every forward's fingerprint: the same error on every rank
+WEIGHTS = (r"RuntimeError: ranks of one replica hold different weights \(a checksum of every parameter differs: "
+           r"rank 0: [0-9a-f]{8}, rank 1: [0-9a-f]{8}\): the replica has diverged\. Likely causes: a trainer that is "
+           r"not sequence-parallel aware .*train with seqpar_hf\.SequenceParallelTrainer .*optimizer settings .*differ "
+           r"per rank")
 # case -> message (regex) on every rank
 EXPECTED = {
     # layouts: compared before the mesh is built
@@ -97,9 +102,27 @@ EXPECTED = {
     "resume-missing-weight-tp": r"RuntimeError: the checkpoint .*/tp/checkpoint-1 misses 1 weight\(s\)",
     "resume-missing-weight-fsdp": r"RuntimeError: the checkpoint .*/fsdp/checkpoint-1 misses 1 weight\(s\)",
     "resume-unexpected-weight-plain": r"holds 1 the model does not have: \['model.no_such.weight'\]",
+    "resume-numbered-optimizer-at-tp": r"ValueError: resuming from .*/plain/checkpoint-1 failed on ranks 0, 1: rank 0: "
+                                       r"ValueError: .*/plain/checkpoint-1/optimizer.pt was written at another layout "
+                                       r"and this run is at sp_size=1, tp_size=2, dp_size=1: it numbers the parameters "
+                                       r".* Resume at the layout it was written at \(tp_size=1 without FSDP\)",
+    "resume-truncated-weights-tp": r"ValueError: resuming from .*/tp/checkpoint-1 failed on ranks 0, 1: rank 0: "
+                                   r"ValueError: .*/tp/checkpoint-1/model.safetensors cannot be read "
+                                   r"\(SafetensorError: .*\): the file is truncated or corrupt",
     "save-model-fails": r"OSError: saving the model to .*plain-final failed on rank 0: rank 0: OSError: \[Errno 28\]",
     "output-dir-unwritable": r"NotADirectoryError: creating output_dir '.*a-file/out' failed on rank 0",
     "trainer-sp-sizes-differ": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1",
+    # ranks of a replica that would drift apart (tests/runs/divergence.py)
+    "plain-trainer-diverges": WEIGHTS,
+    "learning-rates-differ": WEIGHTS,
+    "tp-norm-differs": WEIGHTS,
+    "generate-and-forward": r"^RuntimeError: ranks of one replica are in different calls of the patched model \(rank 0 "
+                            r"is in generate, rank 1 is in a forward\)\. Every rank of a replica must make the same "
+                            r"calls with the same batch \(every forward, and generate, on every rank together\); "
+                            r"otherwise their collectives would mix or hang\.$",
+    "trainer-learning-rates-differ": r"ValueError: ranks disagree on the training arguments \(SequenceParallelArguments: "
+                                     r"learning_rate: rank 0: 0\.001, rank 1: 0\.002\)\. Every rank must train with "
+                                     "the same arguments",
     "tokenizers-differ": r"ValueError: ranks disagree on the tokenizer \(tokenizer sha256: rank 0: '[0-9a-f]{16}', "
                          r"rank 1: '[0-9a-f]{16}'\)\. Nodes that each built --data_cache_dir can train different BPE "
                          r"merges: build the cache on one node .* and copy it to the others",
@@ -108,7 +131,9 @@ EXPECTED = {
 # saves first, and where the process group is torn down (no-process-group)
 SECONDS = {"save-fails-plain": 20, "save-fails-tp": 20, "save-fails-fsdp": 20, "output-dir-unwritable": 10,
            "trainer-sp-sizes-differ": 10, "unsupported-attention": 5, "submodule-called-directly": 5,
-           "no-process-group": 10}
+           "no-process-group": 10, "plain-trainer-diverges": 20, "learning-rates-differ": 5, "tp-norm-differs": 5,
+           "generate-and-forward": 5, "trainer-learning-rates-differ": 10, "resume-numbered-optimizer-at-tp": 5,
+           "resume-truncated-weights-tp": 5}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +147,20 @@ def test_bad_input_raises_on_every_rank_quickly(bad, case):
         message, seconds = rank_results[case]
         assert message is not None and re.search(EXPECTED[case], message), message
         assert seconds < SECONDS.get(case, 1.0), seconds
+
+
+@pytest.mark.parametrize("case", ["plain-trainer-diverges", "learning-rates-differ", "tp-norm-differs",
+                                  "generate-and-forward", "trainer-learning-rates-differ"])
+def test_diverging_ranks_raise_the_same_error_on_every_rank(bad, case):
+    assert bad[0][case][0] == bad[1][case][0]
+
+
+def test_the_plain_trainer_stops_at_its_second_step(bad):
+    """The plain transformers Trainer with a patched model, in processes it does not see as distributed (no DDP,
+    no data split): each rank steps on its own shard's gradient; the second step's forward raises (WEIGHTS)."""
+    for rank_results in bad:
+        assert rank_results["plain-trainer-diverges-steps"] == ([1], False)  # one step done, no DDP wrapper
+        assert rank_results["learning-rates-differ-steps"] == (1, None)  # per-rank learning rates: the same
 
 
 def test_the_same_tokenizer_on_every_rank_passes(bad):
@@ -163,7 +202,8 @@ def test_odd_input_matches_the_unpatched_model(odd, case, tol):
 
 def test_the_check_is_one_small_all_gather_per_forward(odd):
     """One training forward with labels (Marian, sp=2): the check adds exactly one collective, an all-gather
-    of 768 bytes per rank (16 rows x 6 int64; was 12 rows, 576 bytes, over the SP group only)."""
+    of 864 bytes per rank (18 rows x 6 int64, the weights' checksum and generate's row included; was 16 rows,
+    768 bytes, without them)."""
     for rank_results in odd:
         with_check, without = rank_results["cost"][True], rank_results["cost"][False]
         added = list(with_check)
@@ -171,4 +211,4 @@ def test_the_check_is_one_small_all_gather_per_forward(odd):
             added.remove(call)
         assert len(with_check) == len(without) + 1 and len(added) == 1, (with_check, without)
         name, sent = added[0]
-        assert name in ("all_gather_single", "all_gather_into_tensor") and sent == 768, added
+        assert name in ("all_gather_single", "all_gather_into_tensor") and sent == 864, added

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from .helpers.spawn import spawn
-from .runs.trainer import RESUME, SETUPS, run_many
+from .runs.trainer import RESUME, RESUME_ACROSS, SETUPS, run_many
 
 TOL = 1e-5  # relative, per logged value
 KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
@@ -93,6 +93,16 @@ def test_resume_continues_the_same_curve_and_checkpoint_is_plain(worlds, plain_e
     assert after and all(abs(resumed[key] - value) <= TOL * abs(value) for key, value in after.items())
     final_eval = full[(6, "eval_loss")]
     assert abs(plain_evals[layout] - final_eval) <= TOL * abs(final_eval)
+
+
+@pytest.mark.parametrize("name", list(RESUME_ACROSS))
+def test_resume_at_another_tp_size_continues_the_same_curve(worlds, name):
+    """A checkpoint written at tp 1 resumes at tp 2 and the other way (optimizer state converted by name): the
+    steps after it log what the run that wrote it logged."""
+    full = {(l["step"], k): l[k] for l in worlds(2)["resume"][RESUME_ACROSS[name][0]]["full"] for k in KEYS if k in l}
+    resumed = {(l["step"], k): l[k] for l in worlds(2)["resume_across"][name] for k in KEYS if k in l}
+    after = {key: value for key, value in full.items() if key[0] > 3}
+    assert after and all(abs(resumed[key] - value) <= TOL * abs(value) for key, value in after.items()), resumed
 
 
 def test_generation_under_tensor_parallelism_equals_one_process(worlds):

@@ -8,6 +8,8 @@ trl/peft."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("trl")
@@ -91,3 +93,23 @@ def test_sampled_generation_gives_the_group_one_batch(runs):
     assert rank0["last_batches"] == rank1["last_batches"]
     assert rank0["completions"] == rank1["completions"]
     assert len(set(rank0["completions"])) > 1
+
+
+DIVERGENCES = {
+    # at construction, before TRL's own init: the group settings compared across the ranks
+    "num-generations-differ": r"^ValueError: ranks disagree on the training arguments \(SequenceParallelGRPOConfig: "
+                              r"num_generations: rank 0: 2, rank 1: 4\)\. Every rank must train with the same "
+                              "arguments",
+    # at the first generation batch, before its scoring's collectives: the prompts compared across the SP group
+    "datasets-differ": r"^ValueError: ranks of one SP group hold different generation batches \(rank 0: 4 rows, sha256 "
+                       r"[0-9a-f]{8}, rank 1: 4 rows, sha256 [0-9a-f]{8}\)\. Every rank of an SP group must read the "
+                       r"same prompts",
+}
+
+
+@pytest.mark.parametrize("case", list(DIVERGENCES))
+def test_ranks_given_different_group_settings_or_prompts_stop_on_every_rank(spawned, case):
+    """Ranks of an SP group with different num_generations or different datasets would train on a mix (the
+    issue saw a step-1 loss of 0.306 where the valid run logs 0.0): the same error on every rank instead."""
+    ranks = [rank["rl_divergences"][case][0] for rank in spawned("trl", 2)]
+    assert ranks[0] == ranks[1] and re.search(DIVERGENCES[case], ranks[0]), ranks

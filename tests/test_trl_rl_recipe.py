@@ -12,10 +12,9 @@ import pytest
 pytest.importorskip("trl")
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-sys.path.insert(0, str(RECIPES))
 
-import grpo_long_context as recipe  # noqa: E402
-import plot_rewards  # noqa: E402
+from recipes import grpo_long_context as recipe  # noqa: E402 (after the importorskip)
+from recipes import plot_rewards  # noqa: E402
 
 from .runs.trl_trainers import tokenizer  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Tier 2: the fused Ulysses exchange at the function level (worlds 2 and 4, parity group): q/k/v in
 one all-to-all is bit-identical to exchanging them one by one with half the collectives; head chunks
-agree within fp32 rounding with 2c; mode="auto" refuses ranks that patched different models.
+agree within fp32 rounding with 2c; mode="auto" refuses ranks that patched different models and resolves
+each model on its own, leaving the auto layout as built.
 In-rank bodies: tests/runs/ulysses.py."""
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ def test_fused_exchange_equals_the_separate_one_with_half_the_collectives(result
 
 def test_auto_refuses_different_models_on_every_rank(results):
     for rank in results(2):
-        assert "not known before seqpar_hf.patch_model" in rank["auto"]["before"], rank
+        assert "an auto layout has no groups of its own" in rank["auto"]["before"], rank
+        assert "seqpar_hf.layout_of(model)" in rank["auto"]["before"], rank
         assert "mode='auto': the ranks patched models with different attention heads" in (rank["auto"]["mismatch"]
                                                                                           or ""), rank
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_one_auto_layout_resolves_each_model_on_its_own(results, size):
+    """patch_model never changes the auto layout: each model gets the layout chosen for its heads (4 heads:
+    Ulysses; 1 head: a ring), models with the same choice share it, and re-patching with the auto layout is a no-op."""
+    for rank in results(size):
+        r = rank["auto"]["per_model"]
+        assert r["modes"] == ["ulysses", "ring", "ulysses"] and r["shared"] and r["repatch_noop"], r
+        assert "mode='auto'" in r["layout"] and "chosen per model" in r["layout"], r
+        assert "1 heads / 1 kv per TP rank" in r["reason"], r

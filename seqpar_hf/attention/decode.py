@@ -18,8 +18,9 @@ from .kernels import merge
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, h, s_q, d], k/v [b, h_kv, n, d] (this rank's keys), allowed [b or 1, 1, s_q, n] bool or None
-    -> (out [b, h, s_q, d] fp32, lse [b, h, s_q] fp32). A row that sees no key here: out 0, lse -inf.
+    """q [b, h, s_q, d], k [b, h_kv, n, d], v [b, h_kv, n, d_v] (this rank's keys), allowed [b or 1, 1, s_q, n]
+    bool or None -> (out [b, h, s_q, d_v] fp32, lse [b, h, s_q] fp32). A row that sees no key here: out 0,
+    lse -inf.
 
     Grouped-query heads are folded into the query rows instead of copying K/V per query head: the
     cache is read once per step, whatever the group size."""
@@ -34,19 +35,19 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     lse = torch.logsumexp(scores, dim=-1)  # [b, h_kv, rep, s_q]; -inf where no key is allowed
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(scores - finite[..., None]).view(b, h_kv, rep * s_q, n)
-    out = torch.matmul(p, v.float())  # [b, h_kv, rep * s_q, d]
-    return out.view(b, h, s_q, d), lse.reshape(b, h, s_q)  # [b, h_kv, rep, s_q, ..] -> [b, h, s_q, ..]
+    out = torch.matmul(p, v.float())  # [b, h_kv, rep * s_q, d_v]
+    return out.view(b, h, s_q, v.shape[-1]), lse.reshape(b, h, s_q)  # [b, h_kv, rep, s_q, ..] -> [b, h, s_q, ..]
 
 
 def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's (out [b, h, s_q, d], lse [b, h, s_q]) fp32 -> the merged out [b, h, s_q, d] fp32,
+    """Every rank's (out [b, h, s_q, d_v], lse [b, h, s_q]) fp32 -> the merged out [b, h, s_q, d_v] fp32,
     identical on every rank of `group` (gathered, then merged in rank order)."""
     n = group_size(group)
     if n == 1:
         return out
-    packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()  # [b, h, s_q, d + 1]: one message
+    packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()  # [b, h, s_q, d_v + 1]: one message
     everyone = packed.new_empty((n, *packed.shape))
-    all_gather_into(everyone, packed[None], group=group)  # [n, b, h, s_q, d + 1]
+    all_gather_into(everyone, packed[None], group=group)  # [n, b, h, s_q, d_v + 1]
     merged, total = everyone[0, ..., :-1], everyone[0, ..., -1]
     for r in range(1, n):
         merged, total = merge(merged, total, everyone[r, ..., :-1], everyone[r, ..., -1])
@@ -55,7 +56,7 @@ def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tenso
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
               group) -> torch.Tensor:
-    """q [b, h, s_q, d] (replicated), k/v [b, h_kv, n_local, d] (this rank's keys) -> [b, h, s_q, d] in
-    q's dtype: attention over the union of every rank's keys."""
+    """q [b, h, s_q, d] (replicated), k [b, h_kv, n_local, d], v [b, h_kv, n_local, d_v] (this rank's keys)
+    -> [b, h, s_q, d_v] in q's dtype: attention over the union of every rank's keys."""
     out, lse = local_attention(q, k, v, allowed, scale)
     return merge_over_group(out, lse, group).to(q.dtype)

@@ -29,7 +29,8 @@ def ring_plan(layout: ParallelLayout, pattern: Pattern, device) -> RingPlan:
 
 def attend(layout: ParallelLayout, pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scale: float, dropout: float) -> torch.Tensor:
-    """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] (this rank's tokens) -> [b, h, s_q/sp, d]."""
+    """q [b, h, s_q/sp, d], k [b, h_kv, s_k/sp, d], v [b, h_kv, s_k/sp, d_v] (this rank's tokens; v's width
+    may differ from q/k's, as in multi-head latent attention) -> [b, h, s_q/sp, d_v]."""
     if layout.sizes.ring_size == 1:
         def inner(q, k, v, kv_for_q):
             return kernels.attention(q, k, v, pattern, scale, dropout, kv_for_q)
@@ -45,10 +46,10 @@ def attend(layout: ParallelLayout, pattern: Pattern, q: torch.Tensor, k: torch.T
         rep = q.shape[1] // k.shape[1]
         return inner(q, k, v, None if rep == 1 else tuple(i // rep for i in range(q.shape[1])))
     return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner,
-                             head_chunks(layout, q, k, dropout))
+                             head_chunks(layout, q, k, v, dropout))
 
 
-def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, dropout: float) -> int:
+def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> int:
     """How many parts the Ulysses exchange goes in (the same on every rank: it depends on shapes only).
     Attention dropout keeps one, so that its random stream is the unchunked kernel's."""
     setting = layout.head_chunks
@@ -56,5 +57,5 @@ def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, dropou
         return 1
     n = layout.ulysses_size
     if setting == "auto":
-        return auto_chunks(q, k, n)
+        return auto_chunks(q, k, v, n)
     return min(setting, max_chunks(q.shape[1], n))

@@ -74,8 +74,7 @@ class Run:
     kind: int
     lo: int  # source heads [lo, hi): global q heads, or global kv heads
     hi: int
-    q_before: int  # query-length and kv-length head rows before it in the buffer
-    kv_before: int
+    before: tuple[int, int, int]  # head rows of q, k and v before it in the buffer (each kind its own row size)
 
 
 @dataclass(frozen=True)
@@ -129,14 +128,14 @@ def chunk_plan(num_heads: int, num_kv_heads: int, n: int, chunks: int = 1) -> Ch
     runs, keys = [], ([], [], [])
     for c, chunk in enumerate(pieces):
         runs.append([])
-        q_rows = kv_rows = 0
+        before = [0, 0, 0]
         for p in chunk:
             g0 = p.kv[0] if split.kv_send is None or not p.kv_heads else split.kv_send[p.kv[0]]  # global kv head
             for kind, (lo, hi), dest in ((0, p.q, p.q[0]), (1, (g0, g0 + p.kv_heads), p.kv[0]),
                                          (2, (g0, g0 + p.kv_heads), p.kv[0])):
                 if hi > lo:
                     keys[kind].append((dest, c, len(runs[c])))
-                    runs[c].append(Run(kind, lo, hi, q_rows, kv_rows))
-                    q_rows, kv_rows = (q_rows + hi - lo, kv_rows) if kind == 0 else (q_rows, kv_rows + hi - lo)
+                    runs[c].append(Run(kind, lo, hi, tuple(before)))
+                    before[kind] += hi - lo
     order = tuple(tuple((c, i) for _, c, i in sorted(k)) for k in keys)
     return ChunkPlan(split, tuple(tuple(p) for p in pieces), kv_row, tuple(tuple(r) for r in runs), order)

@@ -124,22 +124,23 @@ def _by_document(q, k, v, pattern: Pattern, scale, dropout, kv_for_q):
     if pattern.documents is None:
         return None
     plans, q_rows = pattern.documents
-    b, h, s_q, d = q.shape
+    b, h, s_q, _ = q.shape
     causal = isinstance(plans[0][1], str)
     k, v, gqa = _expand_kv(q, k, v, kv_for_q, not causal)
-    # [b, heads, s, d] -> [b * s, heads, d] once; each group gathers its rows from there
-    flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(-1, x.shape[1], d) for x in (q, k, v))
+    # [b, heads, s, d] -> [b * s, heads, d] once (v: its own width d_v); each group gathers its rows from there
+    flat_q, flat_k, flat_v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v))
 
     def gather(flat, index):  # -> [n, heads, L, d]
-        return flat.index_select(0, index.flatten()).view(*index.shape, flat.shape[1], d).transpose(1, 2)
+        return flat.index_select(0, index.flatten()).view(*index.shape, *flat.shape[1:]).transpose(1, 2)
 
     outs = []
     for docs, mask, _ in plans:
         out = sdpa(gather(flat_q, docs.q_index), gather(flat_k, docs.k_index), gather(flat_v, docs.k_index),
                    attn_mask=None if causal else mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
         outs.append(out.transpose(1, 2)[docs.q_valid])  # [n, h, Lq, d] -> [real queries, h, d]
-    full = outs[0].new_zeros(b * s_q, h, d).index_copy(0, q_rows, torch.cat(outs))
-    return full.view(b, s_q, h, d).transpose(1, 2)  # -> [b, h, s_q, d]
+    d_v = v.shape[3]
+    full = outs[0].new_zeros(b * s_q, h, d_v).index_copy(0, q_rows, torch.cat(outs))
+    return full.view(b, s_q, h, d_v).transpose(1, 2)  # -> [b, h, s_q, d_v]
 
 
 def _varlen(q, k, v, pattern: Pattern, scale, kv_for_q):
@@ -150,8 +151,9 @@ def _varlen(q, k, v, pattern: Pattern, scale, kv_for_q):
     varlen_attn = _compat.varlen_attention()
     if varlen_attn is None or spec.q is not spec.k or spec.q.doc is None and spec.window is None:
         return None
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256:
-        return None  # flash kernels: half precision, head dim a multiple of 8 up to 256
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256 \
+            or v.shape[-1] != q.shape[-1]:
+        return None  # flash kernels: half precision, one head dim (v's too) a multiple of 8 up to 256
     if pattern.segments is MISSING:
         pattern.segments = segments(spec.q)
     seg = pattern.segments
@@ -171,7 +173,7 @@ def _varlen(q, k, v, pattern: Pattern, scale, kv_for_q):
 # ---------------------------------------------------------------------------------------------
 # Blocks with log-sum-exp, for ring attention: the forward returns (out, lse) so partial results
 # over different key blocks can be merged; the backward recomputes from the final out and lse.
-# Shapes: q [b, h, s_q, d], k/v [b, h, s_k, d], bias [b, 1, s_q, s_k] additive (0 / -inf) or None,
+# Shapes: q/k [b, h, s, d], v [b, h, s_k, d_v] (its own width), bias [b, 1, s_q, s_k] additive (0 / -inf) or None,
 # lse [b, h, s_q] fp32.
 
 
@@ -199,13 +201,21 @@ def _fused(q):
     return None if ops is None or (q.device.type == "cpu" and q.dtype not in FUSED_CPU_DTYPES) else ops
 
 
+def _one_width(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """The CPU flash kernel takes q/k and v of one head width only ("Q/K/V should have the same head size";
+    CUDA's memory-efficient kernel takes v's own): the narrower side gets zero columns, which add exact zeros
+    to q.k and p.v (and to dO.O and dO.v^T in the backward); the caller drops the padded columns."""
+    width = max(x.shape[-1] for x in xs)
+    return [x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in xs]  # [.., d] -> [.., width]
+
+
 def block_forward(q, k, v, bias, causal: bool, scale: float):
     ops = _fused(q)
     if ops is None:
         return math_forward(q, k, v, bias, causal, scale)
     if q.device.type == "cpu":
-        out, lse = ops[0](q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-        return out, lse
+        out, lse = ops[0](*_one_width(q, k, v), 0.0, causal, attn_mask=bias, scale=scale)
+        return out[..., :v.shape[-1]], lse
     b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
     out, lse, _, _ = ops[0](q, k, v, b, True, 0.0, causal, scale=scale)
     return out, lse[..., :q.shape[2]].to(accumulation_dtype(q.dtype))
@@ -216,7 +226,10 @@ def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
     if ops is None:
         return math_backward(dout, q, k, v, out, lse, bias, causal, scale)
     if q.device.type == "cpu":
-        return ops[1](dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        d, d_v = q.shape[-1], v.shape[-1]
+        dout, q, k, v, out = _one_width(dout, q, k, v, out)
+        dq, dk, dv = ops[1](dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        return dq[..., :d], dk[..., :d], dv[..., :d_v]
     b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     # no bias: None (an undefined tensor); an empty one counts as given and fails the kernel's shape check

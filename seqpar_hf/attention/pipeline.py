@@ -10,15 +10,18 @@ token carries the pending work from one node to its partner; nothing here reads 
 
 Every step only copies: the arithmetic is the kernel's, so one chunk is bit-identical to exchanging
 q, k, v and the output with four separate all-to-alls. The q/k/v buffers are flat (element counts),
-so query and kv rows may differ in length (cross-attention: s_q != s_k).
+so query and kv rows may differ in length (cross-attention: s_q != s_k) and v's head width may differ
+from q/k's (multi-head latent attention: 128 vs 192), each run split off by its own size.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..parallel.comm import start_all_to_all
-from .heads import ChunkPlan
+from .heads import ChunkPlan, Run
 
 
 class Exchange:
@@ -50,48 +53,55 @@ class Exchange:
         return recv
 
 
+def _offset(run: Run, per: tuple[int, int, int]) -> int:
+    """Where `run` starts in its chunk's flat buffer: the q, k and v head rows before it, each of its own
+    element count `per` (rows of s_q or s_k tokens; q/k and v of their own widths)."""
+    return sum(rows * one for rows, one in zip(run.before, per))
+
+
 class Pack(torch.autograd.Function):
-    """q [b, h, s_q, d], k/v [b, g, s_k, d] -> one flat send buffer per chunk: for each destination
-    rank, its query heads [m, b, s_q, d], then its new kv heads of k, then of v [m_kv, b, s_k, d]
-    (the runs of `ChunkPlan.runs`). Backward: each gradient run back in place, one concatenation per
-    tensor (`ChunkPlan.order`)."""
+    """q [b, h, s_q, d], k [b, g, s_k, d], v [b, g, s_k, d_v] -> one flat send buffer per chunk: for each
+    destination rank, its query heads [m, b, s_q, d], then its new kv heads of k [m_kv, b, s_k, d], then
+    of v [m_kv, b, s_k, d_v] (the runs of `ChunkPlan.runs`). Backward: each gradient run back in place,
+    one concatenation per tensor (`ChunkPlan.order`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: ChunkPlan):
-        ctx.plan, ctx.shapes = plan, (q.shape, k.shape)
+        ctx.plan, ctx.shapes = plan, (q.shape, k.shape, v.shape)
         sources = [x.permute(1, 0, 2, 3) for x in (q, k, v)]  # [heads, b, s, d] views
-        if q.shape[2] == k.shape[2]:  # rows of one length: one copy
+        if q.shape[2:] == k.shape[2:] == v.shape[2:]:  # head rows of one size: one copy
             return tuple(torch.cat([sources[r.kind][r.lo:r.hi] for r in runs]).view(-1) for runs in plan.runs)
-        per_q, per_kv = q[:, :1].numel(), k[:, :1].numel()  # elements of one head
+        per = tuple(x[:, :1].numel() for x in (q, k, v))  # elements of one head
         sends = []
-        for runs in plan.runs:  # cross-attention: q and kv rows differ in length
-            buf = q.new_empty(sum((r.hi - r.lo) * (per_kv if r.kind else per_q) for r in runs))
+        for runs in plan.runs:  # rows of different sizes: s_q != s_k (cross-attention), d != d_v (MLA)
+            buf = q.new_empty(sum((r.hi - r.lo) * per[r.kind] for r in runs))
             for r in runs:
-                off, x = r.q_before * per_q + r.kv_before * per_kv, sources[r.kind][r.lo:r.hi]
+                off, x = _offset(r, per), sources[r.kind][r.lo:r.hi]
                 buf[off:off + x.numel()].view(x.shape).copy_(x)
             sends.append(buf)
         return tuple(sends)
 
     @staticmethod
     def backward(ctx, *grads):
-        plan, (q_shape, k_shape) = ctx.plan, ctx.shapes
-        (b, _, s_q, d), (_, g, s_k, _) = q_shape, k_shape
+        plan, shapes = ctx.plan, ctx.shapes
+        b, g = shapes[0][0], shapes[1][1]
+        rows = tuple(shape[2:] for shape in shapes)  # (s, d) of a head of q, k, v
+        per = tuple(b * s * d for s, d in rows)
         like = next(x for x in grads if x is not None)
-        per = (b * s_q * d, b * s_k * d)
 
         def run(c, i):  # [m, b, s, d] of run i of chunk c -> [b, s, m, d]
             r, grad = plan.runs[c][i], grads[c]
-            m, s, one = r.hi - r.lo, (s_q, s_k, s_k)[r.kind], per[r.kind > 0]
+            m, (s, d) = r.hi - r.lo, rows[r.kind]
             if grad is None:
                 return like.new_zeros(b, s, m, d)
-            off = r.q_before * per[0] + r.kv_before * per[1]
-            return grad[off:off + m * one].view(m, b, s, d).permute(1, 2, 0, 3)
+            off = _offset(r, per)
+            return grad[off:off + m * per[r.kind]].view(m, b, s, d).permute(1, 2, 0, 3)
 
         # [b, s, heads, d] in head (kv: send-row) order -> [b, heads, s, d]
         dq, dk, dv = (torch.cat([run(c, i) for c, i in order], dim=2).transpose(1, 2) for order in plan.order)
         if plan.split.kv_send is not None:  # replicated kv heads: sum their copies, as index_select's backward
             index = plan.kv_send_index(like.device)
-            dk, dv = (like.new_zeros(b, g, s_k, d).index_add_(1, index, t) for t in (dk, dv))
+            dk, dv = (like.new_zeros(b, g, *t.shape[2:]).index_add_(1, index, t) for t in (dk, dv))
         return dq, dk, dv, None
 
 
@@ -110,45 +120,45 @@ class Send(torch.autograd.Function):
 
 class Land(torch.autograd.Function):
     """Wait for one chunk's exchange: flat [n sources x (m q heads, m_kv k heads, m_kv v heads)] ->
-    q [b, m, n s_q, d], k/v [b, m_kv, n s_k, d] (source order = sequence order). Backward: pack the
-    gradients the same way and start the reverse exchange."""
+    q [b, m, n s_q, d], k [b, m_kv, n s_k, d], v [b, m_kv, n s_k, d_v] (source order = sequence order).
+    Backward: pack the gradients the same way and start the reverse exchange."""
 
     @staticmethod
     def forward(ctx, recv, token: Exchange, dims, send_rows, recv_rows, group):
-        n, m, m_kv, b, s_q, s_k, d = dims
+        n, m, m_kv, b, s_q, s_k, d, d_v = dims
         ctx.token, ctx.dims, ctx.rows, ctx.group = token, dims, (send_rows, recv_rows), group
         token.wait()
-        if s_q == s_k:  # one copy: [n, rows, b, s, d] -> [b, rows, n, s, d] -> [b, rows, n s, d], then views
+        if s_q == s_k and d == d_v:  # one copy: [n, rows, b, s, d] -> [b, rows, n, s, d] -> [b, rows, n s, d]
             rows = recv.view(n, m + 2 * m_kv, b, s_q, d).permute(2, 1, 0, 3, 4).reshape(b, m + 2 * m_kv, n * s_q, d)
             return rows[:, :m], rows[:, m:m + m_kv], rows[:, m + m_kv:]
-        per_source = recv.view(n, -1)
-        split = m * b * s_q * d
-        # [n, m, b, s_q, d] -> [b, m, n, s_q, d] -> [b, m, n s_q, d]
-        q = per_source[:, :split].view(n, m, b, s_q, d).permute(2, 1, 0, 3, 4).reshape(b, m, n * s_q, d)
-        # [n, 2, m_kv, b, s_k, d] -> [2, b, m_kv, n, s_k, d] -> [2, b, m_kv, n s_k, d]
-        kv = per_source[:, split:].view(n, 2, m_kv, b, s_k, d).permute(1, 3, 2, 0, 4, 5).reshape(2, b, m_kv, n * s_k, d)
-        return q, kv[0], kv[1]
+        parts = _parts(recv, dims)
+        # each of q, k, v: [n, heads, b, s, d] -> [b, heads, n, s, d] -> [b, heads, n s, d]
+        return tuple(x.permute(2, 1, 0, 3, 4).reshape(b, x.shape[1], n * x.shape[3], x.shape[4]) for x in parts)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        n, m, m_kv, b, s_q, s_k, d = ctx.dims
+        n, m, m_kv, b, s_q, s_k, d, d_v = ctx.dims
         like = next(x for x in (dq, dk, dv) if x is not None)
-        flat = like.new_empty(n * (m * s_q + 2 * m_kv * s_k) * b * d)
-        per_source = flat.view(n, -1)
-        split = m * b * s_q * d
-        if dq is not None:  # [b, m, n s_q, d] -> [n, m, b, s_q, d]
-            per_source[:, :split].view(n, m, b, s_q, d).copy_(dq.reshape(b, m, n, s_q, d).permute(2, 1, 0, 3, 4))
-        kv = per_source[:, split:].view(n, 2, m_kv, b, s_k, d)
-        for i, t in enumerate((dk, dv)):  # [b, m_kv, n s_k, d] -> [n, m_kv, b, s_k, d]
+        flat = like.new_empty(n * b * (m * s_q * d + m_kv * s_k * (d + d_v)))
+        for part, t in zip(_parts(flat, ctx.dims), (dq, dk, dv)):
             if t is None:
-                kv[:, i].zero_()
-            else:
-                kv[:, i].copy_(t.reshape(b, m_kv, n, s_k, d).permute(2, 1, 0, 3, 4))
-        if dq is None:
-            per_source[:, :split].zero_()
+                part.zero_()
+            else:  # [b, heads, n s, d] -> [n, heads, b, s, d]
+                heads, s, w = part.shape[1], part.shape[3], part.shape[4]
+                part.copy_(t.reshape(b, heads, n, s, w).permute(2, 1, 0, 3, 4))
         send_rows, recv_rows = ctx.rows
         ctx.token.start(flat, recv_rows, send_rows, ctx.group, backward=True)
         return flat, None, None, None, None, None
+
+
+def _parts(flat: torch.Tensor, dims) -> list[torch.Tensor]:
+    """A landed chunk's flat buffer as views q [n, m, b, s_q, d], k [n, m_kv, b, s_k, d], v [n, m_kv, b, s_k, d_v]
+    (n sources, each sending its q, k, v rows in turn)."""
+    n, m, m_kv, b, s_q, s_k, d, d_v = dims
+    shapes = ((m, b, s_q, d), (m_kv, b, s_k, d), (m_kv, b, s_k, d_v))
+    per_source = flat.view(n, -1)  # [n, elements from one source]
+    sizes = [math.prod(shape) for shape in shapes]
+    return [x.view(n, *shape) for x, shape in zip(per_source.split(sizes, dim=1), shapes)]
 
 
 class OutSend(torch.autograd.Function):

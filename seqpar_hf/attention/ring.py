@@ -5,7 +5,8 @@ Each rank keeps its queries and passes its K/V block around the ring with batch_
 transfer of the next block overlaps the attention on the current one. Partial results merge with a
 log-sum-exp update in fp32 (float64 for float64 inputs). The backward is a second ring: K/V travel
 again, together with fp32 dK/dV accumulators that arrive home after the last step; block gradients are
-recomputed from the final output and log-sum-exp. K/V travel with their own (grouped-query) head count. Every transfer
+recomputed from the final output and log-sum-exp. K/V travel with their own (grouped-query) head count,
+and v with its own width (multi-head latent attention: 128 vs q/k's 192), packed flat in one message. Every transfer
 is started before the kernel of the step and waited for after it, forward and backward (the
 accumulator of a step included), and no step reads a tensor's value on the host.
 
@@ -126,6 +127,17 @@ class _Ring:
         return recv
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k [b, h_kv, s, d] and v [b, h_kv, s, d_v] (contiguous) -> one flat message [b h_kv s (d + d_v)]."""
+    return torch.cat([k.view(-1), v.view(-1)])
+
+
+def _unpack(flat: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_pack`, as views: -> k [b, h_kv, s, d], v [b, h_kv, s, d_v]."""
+    k = flat[:k_shape.numel()]
+    return k.view(k_shape), flat[k_shape.numel():].view(v_shape)
+
+
 def _expand(x: torch.Tensor, kv_index) -> torch.Tensor:
     return x if kv_index is None else x.index_select(1, kv_index)  # [b, h_kv, s, d] -> [b, h, s, d]
 
@@ -141,17 +153,18 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, scale: float, kv_index):
         n, ring = len(plan.ranks), _Ring(plan)
-        b, h, s_q, d = q.shape
+        b, h, s_q, _ = q.shape
         acc_dtype = accumulation_dtype(q.dtype)
-        out = torch.zeros(b, h, s_q, d, dtype=acc_dtype, device=q.device)
+        out = torch.zeros(b, h, s_q, v.shape[-1], dtype=acc_dtype, device=q.device)
         lse = torch.full((b, h, s_q), float("-inf"), dtype=acc_dtype, device=q.device)
-        kv = torch.stack([k, v])  # [2, b, h_kv, s_k, d]: one message per step
+        kv = _pack(k, v)  # one message per step
         for step in range(n):
             pending = ring.start(kv) if step + 1 < n else None
             block = plan.blocks[(plan.index - step) % n]
             if block is not None:
                 rows, cols = block.rows, block.cols
-                kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
+                k_held, v_held = _unpack(kv, k.shape, v.shape)
+                kb, vb = _expand(k_held[:, :, cols], kv_index), _expand(v_held[:, :, cols], kv_index)
                 o, l = block_forward(q[:, :, rows].contiguous(), kb.contiguous(), vb.contiguous(), block.bias(q.dtype),
                                      block.causal, scale)
                 if block.valid_rows is not None:  # kernels report lse 0 for rows that saw no key: make it -inf
@@ -176,34 +189,36 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         acc_dtype = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = torch.stack([k, v])  # travels as in the forward
-        carried = None  # pending fp32 dK/dV accumulator of the block held at this step
+        kv = _pack(k, v)  # travels as in the forward
+        carried = None  # pending fp32 dK/dV accumulator of the block held at this step (packed as k and v)
         for step in range(n):
             pending_kv = ring.start(kv) if step + 1 < n else None
             block = plan.blocks[(plan.index - step) % n]
             if block is not None:
                 rows, cols = block.rows, block.cols
-                kb, vb = _expand(kv[0][:, :, cols], kv_index), _expand(kv[1][:, :, cols], kv_index)
+                k_held, v_held = _unpack(kv, k.shape, v.shape)
+                kb, vb = _expand(k_held[:, :, cols], kv_index), _expand(v_held[:, :, cols], kv_index)
                 dq_b, dk_b, dv_b = block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb.contiguous(),
                                                   vb.contiguous(), out[:, :, rows].contiguous(),
                                                   lse[:, :, rows].contiguous(), block.bias(q.dtype), block.causal, scale)
                 dq[:, :, rows] += dq_b.to(acc_dtype)
             # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
             # that transfer in flight while the kernel runs (the same additions, in the same order)
-            acc = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device) if carried is None \
+            acc = torch.zeros(k.numel() + v.numel(), dtype=acc_dtype, device=k.device) if carried is None \
                 else _Ring.wait(carried)
             if block is not None:
-                acc[0][:, :, cols] += _reduce(dk_b.to(acc_dtype), kv_index, heads_kv)
-                acc[1][:, :, cols] += _reduce(dv_b.to(acc_dtype), kv_index, heads_kv)
+                dk_acc, dv_acc = _unpack(acc, k.shape, v.shape)  # views: the sums land in `acc`
+                dk_acc[:, :, cols] += _reduce(dk_b.to(acc_dtype), kv_index, heads_kv)
+                dv_acc[:, :, cols] += _reduce(dv_b.to(acc_dtype), kv_index, heads_kv)
             carried = ring.start(acc)  # to the next rank, who holds this block at the next step
             if pending_kv is not None:
                 kv = _Ring.wait(pending_kv)
-        dkv = _Ring.wait(carried)  # our own block's gradient, home after a full turn
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dk, dv = _unpack(_Ring.wait(carried), k.shape, v.shape)  # our own block's gradient, home after a full turn
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
                    kv_for_q: tuple[int, ...] | None = None) -> torch.Tensor:
-    """q [b, h, s_q, d], k/v [b, h_kv, s_k, d] (this rank's blocks) -> [b, h, s_q, d]."""
+    """q [b, h, s_q, d], k [b, h_kv, s_k, d], v [b, h_kv, s_k, d_v] (this rank's blocks) -> [b, h, s_q, d_v]."""
     kv_index = plan.kv_index(kv_for_q, q.device)
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kv_index)

@@ -37,12 +37,12 @@ MIN_CHUNK_BYTES = {"cuda": 8 << 20}
 MAX_AUTO_CHUNKS = 4
 
 
-def auto_chunks(q: torch.Tensor, k: torch.Tensor, n: int) -> int:
+def auto_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> int:
     """Chunks for this exchange by its size: 1 unless every chunk still sends MIN_CHUNK_BYTES."""
     floor = MIN_CHUNK_BYTES.get(q.device.type)
     if floor is None:
         return 1
-    sent = (q.numel() + 2 * k.numel()) * q.element_size() * (n - 1) // n  # what leaves this rank
+    sent = (q.numel() + k.numel() + v.numel()) * q.element_size() * (n - 1) // n  # what leaves this rank
     return max(1, min(MAX_AUTO_CHUNKS, max_chunks(q.shape[1], n), sent // floor))
 
 
@@ -60,7 +60,7 @@ def _kv_for_chunk(parts: list[torch.Tensor], plan, rank: int, c: int) -> torch.T
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
                       inner: Callable[..., torch.Tensor], chunks: int = 1) -> torch.Tensor:
-    """query [b, h, s_q/n, d], key/value [b, h_kv, s_k/n, d] -> [b, h, s_q/n, d].
+    """query [b, h, s_q/n, d], key [b, h_kv, s_k/n, d], value [b, h_kv, s_k/n, d_v] -> [b, h, s_q/n, d_v].
 
     `inner(q, k, v, kv_for_q)` computes attention over the full sequence for some of this rank's
     heads (the local kernel, or a ring across Ulysses groups in hybrid mode); `kv_for_q` is a tuple
@@ -72,29 +72,30 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return inner(query, key, value, None if rep == 1 else tuple(i // rep for i in range(query.shape[1])))
     plan = chunk_plan(query.shape[1], key.shape[1], n, chunks)
     b, _, s_q, d = query.shape
-    per_q, per_kv = b * s_q * d, b * key.shape[2] * d  # elements of one head's rows
+    s_k, d_v = key.shape[2], value.shape[3]  # v's width may differ from q/k's (multi-head latent attention)
+    per_q, per_kv = b * s_q * d, b * s_k * (d + d_v)  # elements of one q head's rows, of one k and v head's
     sends = Pack.apply(query, key, value, plan)  # per chunk: flat, grouped by destination
     tokens_in = [Exchange() for _ in range(plan.chunks)]
     tokens_out = [Exchange() for _ in range(plan.chunks)]
 
     def rows(c):  # (elements to each rank, elements from each rank) of chunk c
         mine = plan.pieces[c][rank]
-        return ([p.heads * per_q + 2 * p.kv_heads * per_kv for p in plan.pieces[c]],
-                [mine.heads * per_q + 2 * mine.kv_heads * per_kv] * n)
+        return ([p.heads * per_q + p.kv_heads * per_kv for p in plan.pieces[c]],
+                [mine.heads * per_q + mine.kv_heads * per_kv] * n)
 
     pending = Send.apply(sends[0], *rows(0), group, tokens_in[0])
     ks, vs, outs = [], [], []
     for c in range(plan.chunks):
         mine = plan.pieces[c][rank]
-        dims = (n, mine.heads, mine.kv_heads, b, s_q, key.shape[2], d)
-        q, k, v = Land.apply(pending, tokens_in[c], dims, *rows(c), group)  # [b, m, s_q, d], [b, m_kv, s_k, d]
+        dims = (n, mine.heads, mine.kv_heads, b, s_q, s_k, d, d_v)
+        q, k, v = Land.apply(pending, tokens_in[c], dims, *rows(c), group)  # [b, m, s_q, d], [b, m_kv, s_k, d / d_v]
         if c + 1 < plan.chunks:  # in flight while this chunk's kernel runs
             pending = Send.apply(sends[c + 1], *rows(c + 1), group, tokens_in[c + 1])
         ks.append(k)
         vs.append(v)
         out = inner(q, _kv_for_chunk(ks, plan, rank, c), _kv_for_chunk(vs, plan, rank, c), mine.kv_for_q)
         outs.append(OutSend.apply(out, n, [mine.heads] * n, [p.heads for p in plan.pieces[c]], group, tokens_out[c]))
-    return OutLand.apply(plan, rank, group, tokens_out, *outs)  # [b, h, s_q/n, d]
+    return OutLand.apply(plan, rank, group, tokens_out, *outs)  # [b, h, s_q/n, d_v]
 
 
 def ulysses_attention_separate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,

@@ -1,4 +1,5 @@
-"""Cheap replica-wide check that every rank that must hold the same batch got it, with the same settings.
+"""Cheap replica-wide check that every rank that must hold the same batch got it, with the same settings
+and the same weights.
 
 The ranks of a replica (the SP group, times TP) must pass the same, full batch with the same settings.
 If they do not (a sampler that shards by world rank, a collator with randomness, a setting passed on one
@@ -9,12 +10,17 @@ field and every rank's value:
 - per input tensor: presence, dtype, number of dims, the first two sizes, a position-weighted checksum;
 - per forward: the training mode, the layout (sizes and which layout object of the sequence every rank
   built), the attention implementation the model's layers select, the tiled-loss settings,
-  `num_items_in_batch`, `label_smoothing`, `logits_to_keep`, `output_hidden_states` / `output_attentions`.
+  `num_items_in_batch`, `label_smoothing`, `logits_to_keep`, `output_hidden_states` / `output_attentions`;
+- the call: which call this is (a forward or `generate`: a rank in one and a rank in the other is an
+  error that says so), a checksum of the model's weights (`replica_weights`: ranks that hold different
+  weights have diverged), and `generate`'s own values (`generation_check`; zeros in a forward).
+Every call exchanges the same structure, so ranks in different calls read each other's rows correctly.
 The validation's extremes of the batch (`validate.extremes`) travel in the same all-gather (not
 compared: they follow from the batch), so a forward reads back both in one host sync.
 
-Cost: one all-gather over the replica of (12 tensors + 3 settings rows + 2 rows of extremes) x 6 int64 =
-816 bytes per rank.
+Cost: one all-gather over the replica of (11 tensors + 3 settings rows + 2 call rows + 2 rows of extremes)
+x 6 int64 = 864 bytes per rank, and the weights' checksum (`replica_weights`: some microseconds of host time
+per parameter, whatever its size).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from .. import _compat
 from ..parallel.agree import explain_timeout
 from ..parallel.comm import all_gather_into, group_size
 from ..parallel.layout import MODES
-from . import validate
+from . import replica_weights, validate
 from .state import ATTN_DECODE_NAME, ATTN_NAME
 
 FIELDS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
@@ -43,6 +49,13 @@ SETTINGS = {"model.training": 1, "layout": 6, "attention implementation": 1, "ti
             "output_attentions": 1, "lm_loss": 1}
 _SETTING_SLOTS = 3 * _SLOTS
 assert sum(SETTINGS.values()) == _SETTING_SLOTS
+# the call's 2 rows: [call, weights (replicated, sharded, shard key, parameters), 0], [generate's 4 values, 0, 0]
+FORWARD, GENERATE = 1, 2
+_CALLS = {FORWARD: "a forward", GENERATE: "generate"}
+_CALL_SLOTS = 2 * _SLOTS
+CALL_ROW, GENERATE_ROW = len(FIELDS) + 3, len(FIELDS) + 4
+COMPARED = len(FIELDS) + 5  # rows compared; then EXTRA_ROWS of values that ride along
+EXTRA_ROWS = 2  # validate.extremes: 5 tensors x (min, max)
 
 
 def float_bits(x: float) -> int:
@@ -62,9 +75,18 @@ def _checksum(x: torch.Tensor) -> torch.Tensor:
     return (flat.long() * weights).sum()
 
 
-def fingerprint(inputs: dict, settings: dict, device) -> torch.Tensor:
-    """[len(FIELDS) + 3, _SLOTS] int64: one row per input tensor, then the settings' slots. Built on the
-    host in one piece and copied once; the checksums and device scalars are placed on the device."""
+def call_values(call: int, model, device, generate: list | None = None) -> list:
+    """The call's 2 rows of slots (flat): which call, the weights' checksums of `model`, `generate`'s values."""
+    weights = replica_weights.checksums(model, device) if model is not None else [0, 0, 0, 0]
+    return [call, *weights, 0, *(generate or [0] * 4), 0, 0]
+
+
+def fingerprint(inputs: dict, settings: dict, device, call: list | None = None) -> torch.Tensor:
+    """[COMPARED, _SLOTS] int64: one row per input tensor, then the settings' slots, then the call's
+    (`call_values`; default: a forward, no weights). Built on the host in one piece and copied once; the
+    checksums and device scalars are placed on the device."""
+    call = call_values(FORWARD, None, device) if call is None else call
+    assert len(call) == _CALL_SLOTS
     meta, sums = [], []
     for name in FIELDS:
         x = inputs.get(name)
@@ -75,7 +97,7 @@ def fingerprint(inputs: dict, settings: dict, device) -> torch.Tensor:
         else:
             meta.append([0] * (_SLOTS - 1))
             sums.append(None)
-    flat = [v for name in SETTINGS for v in settings[name]]
+    flat = [v for name in SETTINGS for v in settings[name]] + call
     host = [v for row in meta for v in row] + [0 if isinstance(v, torch.Tensor) else int(v) for v in flat]
     host = torch.tensor(host, dtype=torch.long).to(device)  # one copy to the device
     zero = torch.zeros((), dtype=torch.long, device=device)
@@ -83,7 +105,7 @@ def fingerprint(inputs: dict, settings: dict, device) -> torch.Tensor:
     tensors = torch.cat([host[:len(meta) * (_SLOTS - 1)].view(len(meta), _SLOTS - 1), checksums[:, None]], 1)
     settings_row = host[len(meta) * (_SLOTS - 1):].clone()
     for i, v in enumerate(flat):
-        if isinstance(v, torch.Tensor):  # a device scalar (num_items_in_batch): placed without a host sync
+        if isinstance(v, torch.Tensor):  # a device scalar (num_items_in_batch, checksums): placed without a host sync
             settings_row[i] = v.detach().to(device).reshape(())
     return torch.cat([tensors.flatten(), settings_row]).view(-1, _SLOTS)
 
@@ -132,28 +154,66 @@ def require_sp_attention(state) -> None:
             "seqpar_hf.unpatch_model(model), set it, and patch the model again")
 
 
-def check_same_batch(inputs: dict, settings: dict, group, device, extra: torch.Tensor | None = None) -> list[int]:
-    """Raise ValueError on every rank of `group` if their batches or settings differ (one small all-gather).
-    `extra` (int64, not compared) rides along; returns this rank's `extra` values (one host sync)."""
+def check_same_batch(inputs: dict, settings: dict, group, device, extra: torch.Tensor | None = None,
+                     call: list | None = None) -> list[int]:
+    """Raise on every rank of `group` if their batches, settings or weights differ (one small all-gather).
+    `call`: `call_values` (default: a forward, no weights). `extra` (int64, at most EXTRA_ROWS rows, not
+    compared) rides along; returns this rank's `extra` values (one host sync)."""
     extra = torch.zeros(0, dtype=torch.long, device=device) if extra is None else extra.to(device)
-    pad = (-extra.numel()) % _SLOTS
+    pad = EXTRA_ROWS * _SLOTS - extra.numel()
+    assert pad >= 0, extra.numel()
     tail = torch.cat([extra, extra.new_zeros(pad)]).view(-1, _SLOTS)
-    mine = torch.cat([fingerprint(inputs, settings, device), tail])  # [rows, _SLOTS]
+    mine = torch.cat([fingerprint(inputs, settings, device, call), tail])  # [COMPARED + EXTRA_ROWS, _SLOTS]
+    everyone = exchange(mine, group, "in the batch check at the start of a forward")
+    own = [v for row in everyone[_rank_in(group) if len(everyone) > 1 else 0][COMPARED:] for v in row][:extra.numel()]
+    if agree(everyone):
+        return own
+    problems, weights = _problems(everyone), weights_problems(everyone)
+    batch = ("ranks of one replica (the ranks that must pass the same batch: an SP group, times TP) got different "
+             "batches or settings (" + "; ".join(problems) + "). Every rank of a replica must pass the same, full "
+             "batch with the same arguments and model state: shard data over layout.dp_size / layout.dp_rank, not "
+             "over the world (SequenceParallelTrainer does this).") if problems else ""
+    raise (ValueError if problems else RuntimeError)(" ".join(m for m in (batch, weights) if m))
+
+
+def exchange(mine: torch.Tensor, group, doing: str) -> list:
+    """All-gather `mine` over `group` and read it back (one host sync): [ranks][rows][_SLOTS]. Every call
+    (forward, generate) sends the same structure, [COMPARED + EXTRA_ROWS, _SLOTS], so ranks in different
+    calls read each other correctly and raise the same error, saying which rank is in which call."""
+    assert tuple(mine.shape) == (COMPARED + EXTRA_ROWS, _SLOTS), tuple(mine.shape)
     n = group_size(group)
     if n == 1:
-        return mine[-tail.shape[0]:].flatten().tolist()[:extra.numel()] if extra.numel() else []
+        return [mine.tolist()]
     everyone = mine.new_empty((n, *mine.shape))
-    with explain_timeout("in the batch check at the start of a forward"):
+    with explain_timeout(doing):
         all_gather_into(everyone, mine.unsqueeze(0), group=group)  # [n, rows, _SLOTS]
     everyone = everyone.tolist()
-    compared = len(FIELDS) + 3
-    own = [v for row in everyone[_rank_in(group)][compared:] for v in row][:extra.numel()]
-    if all(rows[:compared] == everyone[0][:compared] for rows in everyone):
-        return own
-    raise ValueError("ranks of one replica (the ranks that must pass the same batch: an SP group, times TP) got "
-                     "different batches or settings (" + "; ".join(_problems(everyone)) + "). Every rank of a "
-                     "replica must pass the same, full batch with the same arguments and model state: shard data "
-                     "over layout.dp_size / layout.dp_rank, not over the world (SequenceParallelTrainer does this).")
+    calls = [rows[CALL_ROW][0] for rows in everyone]
+    if len(set(calls)) > 1:
+        raise RuntimeError("ranks of one replica are in different calls of the patched model (" + ", ".join(
+            f"rank {r} is in {_CALLS.get(c, 'another call')}" for r, c in enumerate(calls)) + "). Every rank of a "
+            "replica must make the same calls with the same batch (every forward, and generate, on every rank "
+            "together); otherwise their collectives would mix or hang.")
+    return everyone
+
+
+def _comparable(rows: list) -> list:
+    """The compared rows, without the sharded weights' checksum and key (compared among ranks that share them)."""
+    call = list(rows[CALL_ROW])
+    call[2] = call[3] = 0
+    return rows[:CALL_ROW] + [call] + rows[CALL_ROW + 1:COMPARED]
+
+
+def agree(everyone: list) -> bool:
+    first = _comparable(everyone[0])
+    return all(_comparable(rows) == first for rows in everyone) and not weights_problems(everyone)
+
+
+def weights_problems(everyone: list) -> str:
+    """The message when the ranks' weights differ ('' when they agree)."""
+    found = replica_weights.problems([rows[CALL_ROW][1:5] for rows in everyone])
+    return (f"ranks of one replica hold different weights ({'; '.join(found)}): the replica has diverged. "
+            f"{replica_weights.ADVICE}") if found else ""
 
 
 def _rank_in(group) -> int:
@@ -228,7 +288,8 @@ def check_forward(state, kwargs: dict, training: bool, device, labels=None, shif
     if state.check_inputs and compare:
         settings = forward_settings(state, training, kwargs, num_items, label_smoothing, lm_loss)
         values = check_same_batch({**kwargs, "labels": labels, "shift_labels": shift_labels}, settings,
-                                  state.layout.replica_group, device, extra)
+                                  state.layout.replica_group, device, extra,
+                                  call_values(FORWARD, state.family.pretrained, device))
     else:
         values = extra.tolist()
     require_sp_attention(state)

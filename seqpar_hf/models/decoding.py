@@ -115,10 +115,8 @@ def attend(site, module, query, key, value, attention_mask, step: DecodeStep, dr
             extra["sliding_window"] = sliding_window
         function = _compat.original_attention_function(module, implementation)
         return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra)
-    layer = step.cache.layer(module.layer_idx)  # this rank's shard of the KV cache
-    layer.set_window(window)
+    layer = step.cache.reader(module.layer_idx, key, window)  # this rank's shard of the KV cache (or the one it shares)
     out = decode.attention(query, key, value, layer.allowed(), scale, group)  # [b, h, s_q, d]
-    layer.evict()
     return out.transpose(1, 2), None
 
 
@@ -127,6 +125,7 @@ def after_prefill_attention(state, module, sliding_window) -> None:
     cache shard keeps only what later queries can see (a sliding window's last tokens)."""
     session = state.decoding
     if session is not None and session.cache is not None:
-        layer = session.cache.layer(module.layer_idx)
-        layer.set_window(sliding_window)
-        layer.evict(force=True)
+        layer = session.cache.layer(module.layer_idx)  # None: a KV-shared layer, whose owner trims its shard
+        if layer is not None:
+            layer.set_window(sliding_window)
+            layer.evict()

@@ -67,7 +67,9 @@ class Preserved(contextlib.ExitStack):
                     if m.__dict__.get(key) is not value:
                         m.__dict__[key] = value
                 for current, old in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
-                    if current != old:
+                    # by identity: `!=` on dicts compares tensors by value (and raises). A forward that
+                    # re-registers a buffer (dynamic RoPE's inv_freq) gets its own tensor back
+                    if current.keys() != old.keys() or any(current[k] is not v for k, v in old.items()):
                         current.clear()
                         current.update(old)
             with torch.no_grad():
@@ -80,7 +82,8 @@ class Preserved(contextlib.ExitStack):
             for m, mode in self.modes:
                 m.training = mode
         finally:
-            return super().__exit__(*exc)
+            super().__exit__(*exc)  # a failure to restore propagates: never a silently altered model
+        return False
 
 
 def _configs(config, found: dict) -> None:
@@ -181,8 +184,11 @@ class Recorder:
 class Run:
     """One forward of a dry run: what the stand-in attention and mask functions record and return."""
 
-    def __init__(self, names: dict, lengths: dict, original, full: bool):
+    def __init__(self, names: dict, lengths: dict, original, full: bool, real=None):
         self.names, self.lengths, self.original, self.full = names, lengths, original, full
+        # real(call, query, key) -> [b or 1, 1, s_q, s_k] mask (bool, or additive): softmax attention under
+        # it instead of the token-local stand-in (models/packed_probe.py); None: the stand-in
+        self.real = real
         self.attention: list[dict] = []  # one record per attention call
         self.masks: dict[int, tuple] = {}  # id of a mask tensor we returned -> (tensor, pattern)
 
@@ -219,6 +225,9 @@ class Run:
                                    getattr(module, "is_causal", None)})
         if q_side is None:  # not along the sequence (e.g. over a token's layers): token-local, run it as is
             return self.original(module, query, key, value, attention_mask, **kwargs)
+        if self.real is not None:
+            return softmax_attention(query, key, value, self.real(self.attention[-1], query, key),
+                                     kwargs.get("scaling"))
         h, d_v = query.shape[1], value.shape[-1]
         if kv_side == q_side and key.shape[2] == query.shape[2]:
             index = torch.arange(h, device=query.device) * key.shape[1] // h  # GQA: each query head's kv head
@@ -227,6 +236,20 @@ class Run:
         else:
             out = 1e-2 * query.sum(-1, keepdim=True).expand(*query.shape[:3], d_v)
         return out.transpose(1, 2).contiguous(), None  # [b, s_q, h, d_v]
+
+
+def softmax_attention(query, key, value, mask, scaling=None):
+    """Plain attention: q [b, h, s_q, d], k/v [b, h_kv, s_k, d_v], mask [b or 1, 1, s_q, s_k] (bool:
+    True attends; else added) -> [b, s_q, h, d_v]."""
+    h = query.shape[1]
+    index = torch.arange(h, device=query.device) * key.shape[1] // h  # GQA: each query head's kv head
+    k, v = key.index_select(1, index), value.index_select(1, index)
+    wide = torch.promote_types(query.dtype, torch.float32)
+    scores = (query @ k.transpose(-1, -2)).to(wide) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(wide)
+    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # [b, h, s_q, d_v]
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _stand_in_attention(module, query, key, value, attention_mask, **kwargs):

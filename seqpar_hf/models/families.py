@@ -44,6 +44,7 @@ class ModelFamily:
     head_post: object = None  # models/head.Post reproducing the model's logits after its head (None: do not tile)
     layer_inputs: dict = field(default_factory=dict)  # layer path -> its per-token inputs (models/tp_checks.py)
     inplace_outputs: set = field(default_factory=set)  # nn.Linear paths whose outputs the model writes in place
+    packed_rows: dict = field(default_factory=dict)  # kind of packed batch -> why refused (models/packed_probe.py)
     dry_run_seconds: float = 0.0
 
 

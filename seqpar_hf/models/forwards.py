@@ -23,6 +23,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from ..parallel import announce
 from ..parallel.comm import gather_sequence as gather_full
 from ..parallel.layout import ParallelLayout
 from . import labels as labels_
@@ -73,6 +74,8 @@ def _require_process_group(layout: ParallelLayout) -> None:
 class BackboneForward(_Wrapper):
     """The backbone's forward: shard the full batch, run the layers, gather (or keep) the outputs."""
 
+    announced = False  # the first sharded forward's lengths are logged once (parallel/announce.py)
+
     def __call__(self, *args, **kwargs):
         state = self.state
         if state.detached:
@@ -99,7 +102,10 @@ class BackboneForward(_Wrapper):
         return_dict = kwargs.pop("return_dict", None)
         shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
         ctx = shard(layout, kwargs, state.pad_id, local_outputs=request is not None, keep_ids=state.keep_ids,
-                    default_positions=state.default_positions)
+                    default_positions=state.default_positions, packed=family.packed_rows)
+        if not self.announced:
+            self.announced = True
+            announce.first_forward(layout, {side: seq.plan for side, seq in ctx.seqs.items()})
         if self.takes_kwargs:  # travels with the layers' kwargs (and with gradient checkpointing)
             kwargs[CONTEXT_KWARG] = ctx
         training = family.backbone.training

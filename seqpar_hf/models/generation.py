@@ -12,7 +12,8 @@ Each decoding step is replicated (its new tokens, the decoder's self-attention o
 MLPs, the head): attention over the sharded side is computed per rank and merged across the group by
 log-sum-exp (`models.decoding`, `attention.decode`). Beam search reorders the local shards.
 
-Before any collective, what is not supported is found by name; then ONE all-gather compares the call's
+Before any collective, what is not supported is found by name and the full prompt or source is validated
+as a forward's (`validate`: ids, lengths, the position table); then ONE all-gather compares the call's
 inputs, settings, sampling generator state and refusals across the group, and every rank raises if any
 differ or if the call is refused. `with seqpar_hf.sp_disabled(model):` keeps the plain per-rank
 generation (this rank's own inputs).
@@ -26,6 +27,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from .. import _compat
+from . import validate
 from .generation_check import check_same_generation
 from .context import CONTEXT_KWARG
 from .decoding import DecodeSession
@@ -54,14 +56,17 @@ class GenerateSP(_Wrapper):
         state = self.state
         if state.detached or self.outer or state.decoding is not None:
             return self.original(*args, **kwargs)
+        # a layout property, the same on every rank: refused before any collective, with SP or without
+        # (sp_size=1, sp_disabled), since the forwards of a TP model stay tensor-parallel either way
+        if state.layout.sizes.tp_size > 1:
+            raise NotImplementedError(
+                f"generate on a tensor-parallel model (tp_size={state.layout.sizes.tp_size}): its weights are "
+                "sharded over the TP ranks and its norms along the sequence, which one decoding step (one token) "
+                "cannot be. Generate with a plain copy holding the full weights "
+                "(seqpar_hf.training.generation.plain_copy(model), what SequenceParallelTrainer does)")
         if state.plain_depth or not state.layout.enabled:
             with state.without_sp():
                 return self.original(*args, **kwargs)
-        if state.layout.sizes.tp_size > 1:  # a layout property: the same on every rank
-            raise NotImplementedError(
-                "generate on a tensor-parallel model (tp_size > 1): one decoding step cannot be split along the "
-                "sequence for TP's norm regions. Generate with a plain copy holding the full weights "
-                "(seqpar_hf.training.generation.plain_copy(model), what SequenceParallelTrainer does)")
         return generate(state, self.original, self.named(args, kwargs))
 
 
@@ -82,6 +87,8 @@ def generate(state: PatchState, original, kwargs: dict):
         reason = refusal(state, kwargs, config)
         if reason is not None:
             error = NotImplementedError(f"generate under sequence parallelism: {reason}{_FIX}")
+        else:
+            _validate(state, kwargs, device)
     except Exception as exc:  # noqa: BLE001 - an argument transformers rejects: every rank must still reach the check
         error = exc
     rng = _rng_state(device) if config is not None and config.do_sample else None
@@ -142,6 +149,15 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
          "attention_mask must be 2D [batch, length]"),
     ]
     return next((why for failed, why in checks if failed), None)
+
+
+def _validate(state: PatchState, kwargs: dict, device) -> None:
+    """The forward's validation (`validate`) of the full prompt or source, here where every rank still
+    reaches the check: sharded, an id past the vocabulary or a source past the position table would fail
+    on the rank that holds it only, while the others wait in a collective."""
+    inputs = {k: kwargs.get(k) for k in ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")}
+    values = validate.extremes(state.family.kind, inputs, None, None, device).tolist()  # one host sync
+    validate.check(state.family, inputs, None, None, values)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

@@ -1,50 +1,75 @@
 """The one check before `generate` under SP: every rank of the SP group passes the same inputs and the
 same generation settings (and, when sampling, the same generator state), or all raise, naming what
-differs, before any other collective. It reuses the forward's fingerprint (`checks`: input tensors, the
-layout, the attention implementation) and adds one row: the settings' hash, the other tensor arguments,
-the generator state, and whether this rank refuses the call (so one rank's refusal raises everywhere).
+differs, before any other collective. It sends the forward's fingerprint (`checks`: input tensors, the
+layout, the attention implementation, the weights), with generate's own row filled: the settings' hash, the
+other tensor arguments, the generator state, and whether this rank refuses the call (so one rank's refusal
+raises everywhere). The same structure as a forward's: a rank in generate while another is in a forward
+raises on both, saying so.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.agree import explain_timeout
-from ..parallel.comm import all_gather_into, group_size
-from .checks import FIELDS, _checksum, _problems, fingerprint, forward_settings
+from ..parallel.comm import group_size
+from .checks import (EXTRA_ROWS, FIELDS, GENERATE, GENERATE_ROW, _checksum, _problems, agree, call_values, exchange,
+                     fingerprint, forward_settings, weights_problems)
 
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
+def _canonical(value):
+    """`value` as plain JSON data, the same in every process for the same argument. Mappings with keys other
+    than strings (`sequence_bias={(11,): 5.0}`) become [key, value] pairs sorted by the key's text; tensors
+    (dtype, shape, checksum); objects by type and callables by name: logits processors, stopping criteria
+    and functions are not compared by state (reprs hold addresses, and a MaxTimeCriteria its start time)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return {"tensor": [str(value.dtype), list(value.shape), int(_checksum(value))]}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value):
+            return {k: _canonical(v) for k, v in value.items()}  # json sorts them
+        pairs = [[_canonical(k), _canonical(v)] for k, v in value.items()]
+        return {"pairs": sorted(pairs, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, (torch.dtype, torch.device, enum.Enum)):
+        return str(value)
+    kind = value if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__") else type(value)
+    return f"<{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', type(kind).__name__)}>"
+
+
 def _settings_text(settings: dict) -> str:
-    # objects (logits processors, callables) by type: their reprs hold addresses that differ per process
-    return json.dumps(settings, sort_keys=True, default=lambda o: type(o).__qualname__)
+    return json.dumps(_canonical(settings), sort_keys=True)
 
 
 def check_same_generation(state, inputs: dict, settings: dict, rng_state: torch.Tensor | None, refusal: str | None,
                           training: bool, group, device) -> None:
-    """Raise ValueError on every rank of `group` if their `generate` calls differ (one all-gather)."""
+    """Raise on every rank of `group` if their `generate` calls (or weights) differ, or if a rank is in a forward
+    instead (one all-gather)."""
     others = sorted((k, v) for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in FIELDS)
     extra = [_hash(_settings_text(settings)),
              _hash(repr([(k, str(v.dtype), tuple(v.shape), int(_checksum(v))) for k, v in others])),
              0 if rng_state is None else int(_checksum(rng_state)), int(refusal is not None)]
-    rows = fingerprint(inputs, forward_settings(state, training, {}), device)
-    extra_row = torch.tensor([extra + [0] * (rows.shape[1] - len(extra))], dtype=torch.long, device=device)
-    mine = torch.cat([rows, extra_row])  # [len(FIELDS) + 4, slots]
-    everyone = mine.new_empty((group_size(group), *mine.shape))
-    with explain_timeout("in the input check at the start of generate"):
-        all_gather_into(everyone, mine.unsqueeze(0), group=group)
-    everyone = everyone.tolist()
-    if all(r == everyone[0] for r in everyone):
+    call = call_values(GENERATE, state.family.pretrained, device, extra)
+    rows = fingerprint(inputs, forward_settings(state, training, {}), device, call)  # what a forward sends
+    mine = torch.cat([rows, rows.new_zeros(EXTRA_ROWS, rows.shape[1])])  # [COMPARED + EXTRA_ROWS, slots]
+    everyone = exchange(mine, group, "in the input check at the start of generate")  # raises if in another call
+    if agree(everyone):
         return
-    problems = _problems([r[:-1] for r in everyone])
-    last = [r[-1] for r in everyone]
+    problems = _problems(everyone)
+    last = [r[GENERATE_ROW] for r in everyone]
     if len({r[1] for r in last}) > 1:
         problems.append("other tensor arguments differ")
     if len({r[3] for r in last}) > 1:
@@ -58,6 +83,8 @@ def check_same_generation(state, inputs: dict, settings: dict, rng_state: torch.
     if len({r[2] for r in last}) > 1:
         problems.append("the random generators' states differ (sampling draws the same tokens on every rank only "
                         "from the same state: torch.manual_seed(same seed) on every rank before generate)")
-    raise ValueError("ranks of one sequence-parallel group called generate with different inputs or settings ("
-                     + "; ".join(problems) + "). Every rank of an SP group must pass the same, full batch and the "
-                     "same generation arguments; each returns the whole batch's tokens.")
+    weights = weights_problems(everyone)
+    batch = ("ranks of one sequence-parallel group called generate with different inputs or settings ("
+             + "; ".join(problems) + "). Every rank of an SP group must pass the same, full batch and the same "
+             "generation arguments; each returns the whole batch's tokens.") if problems else ""
+    raise (ValueError if problems else RuntimeError)(" ".join(m for m in (batch, weights) if m))

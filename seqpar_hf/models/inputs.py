@@ -8,7 +8,9 @@ Packed rows (several documents per row, no attention across them):
 - decoder-only, transformers' conventions: `position_ids` restarting at 0 for each document and no
   `attention_mask` (what `DataCollatorWithFlattening` gives; its `cu_seq_lens_*` / `max_length_*`
   are checked against the positions and consumed here). As in transformers, a row is packed when its
-  positions do not simply count up; with an `attention_mask`, positions are only positions.
+  positions do not simply count up; with an `attention_mask`, positions are only positions. A model whose
+  own forward lets the documents of such rows attend to each other (OPT, BioGPT, the BERT-family LM
+  heads: seen at patch time, models/packed_probe.py) has them refused, before sharding.
 - encoder-decoder (seqpar_hf's convention): `position_ids` (source) and `decoder_position_ids`
   (target) restarting at 0 for each (source, target) pair; the k-th target document attends, in
   cross-attention, to the k-th source document only. Padding at the end of a row is masked as usual.
@@ -71,12 +73,21 @@ def documents_from_positions(position_ids: torch.Tensor, what: str = "position_i
     return starts.long().cumsum(-1) - 1
 
 
-def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
-    """Documents from flash-attention's cu_seq_lens (one packed row), checked against the positions."""
+def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: int, masked: bool) -> torch.Tensor:
+    """Documents from flash-attention's cu_seq_lens (one packed row), checked against the positions:
+    transformers' implementations disagree on which of the two decides (flash attention reads cu_seq_lens,
+    SDPA and eager only the positions, and neither with an attention_mask), so both must say the same."""
     cu = cu.to(torch.long).flatten()
     if b != 1 or cu[0] != 0 or cu[-1] != s or bool((cu[1:] <= cu[:-1]).any()):
         raise ValueError(f"cu_seq_lens_q {cu.tolist()} does not describe one packed row of {s} tokens "
                          f"(batch {b}): it must start at 0, increase, and end at {s}")
+    if cu.numel() > 2 and doc is None:
+        given = "an attention_mask (positions are then only positions)" if masked else \
+            "position_ids that do not restart (or none)"
+        raise ValueError(f"cu_seq_lens_q describes {cu.numel() - 1} documents in packed row 0, but comes with {given}: "
+                         "flash attention would separate the documents and SDPA / eager would not. Pass the "
+                         "restarting position_ids that go with them (as DataCollatorWithFlattening does) and no "
+                         "attention_mask, or leave out cu_seq_lens_q")
     from_cu = torch.zeros(1, s, dtype=torch.long, device=cu.device)
     from_cu[0, cu[1:-1]] = 1
     from_cu = from_cu.cumsum(-1)  # [1, s] document index from 0
@@ -84,6 +95,25 @@ def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: in
         raise ValueError("cu_seq_lens_q and position_ids describe different documents in packed row 0; pass either "
                          "or make them agree")
     return from_cu
+
+
+def packed_kind(rows: int, flash_kwargs: bool) -> str:
+    """The kind of a packed batch, as the patch-time probe tells them apart (models/packed_probe.py)."""
+    return "several packed rows" if rows > 1 else \
+        ("one packed row with flash-attention kwargs" if flash_kwargs else "one packed row")
+
+
+def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool) -> None:
+    """Refuse packed rows of a kind the unpatched model does not keep apart (models/packed_probe.py)."""
+    why = refused.get(packed_kind(doc.shape[0], flash_kwargs))
+    if why is None:
+        return
+    row, col = (int(i) for i in (torch.diff(doc, dim=-1) != 0).nonzero()[0])
+    raise ValueError(f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its position_ids "
+                     "restart, and no attention_mask is given). Sequence parallelism keeps documents apart, so it "
+                     "cannot reproduce that. Pass one document per row (padded, with an attention_mask), or pass "
+                     "attention_mask=torch.ones_like(input_ids) to train as the unpatched model does, across "
+                     "documents (the position_ids then stay positions)")
 
 
 def _meta(plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None, b: int, device) -> SeqMeta:
@@ -115,10 +145,13 @@ def _tokens(plan: ShardPlan, kw: dict, ids_key: str, embeds_key: str, pad_id: in
 
 
 def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
-                 keep_ids: bool = False, default_positions: str = "arange") -> ForwardContext:
+                 keep_ids: bool = False, default_positions: str = "arange",
+                 packed: dict | None = None) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
     `default_positions`: the rule the backbone makes its own positions by when given none
-    (models/default_positions.py), applied here to the full batch."""
+    (models/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
+    refused for this model, and why (`ModelFamily.packed_rows`); checked on the full batch, so every
+    rank raises the same error before sharding."""
     b, s, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
     if layout.sizes.tp_size > 1 and kw.get("inputs_embeds") is not None:
         raise NotImplementedError("inputs_embeds with tensor parallelism: the vocabulary-parallel embedding is what "
@@ -127,6 +160,7 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     position_ids = kw.get("position_ids")
     own = None if position_ids is not None else default_positions_of(default_positions, kw.get("input_ids"), mask,
                                                                      b, s, pad_id, device)
+    flash_kwargs = any(kw.get(name) is not None for name in FLASH_KWARGS[:4])
     cu = kw.pop("cu_seq_lens_q", None)
     for name in FLASH_KWARGS[1:]:
         kw.pop(name, None)
@@ -134,7 +168,9 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     if position_ids is not None and mask is None:  # None: one document per row, plain causal attention
         doc = documents_from_positions(position_ids.expand(b, -1))
     if cu is not None:
-        doc = _check_cu_seq_lens(cu, doc, b, s)
+        doc = _check_cu_seq_lens(cu, doc, b, s, mask is not None)
+    if doc is not None and packed:
+        _check_packed(packed, doc, flash_kwargs)
     plan = shard_plan(layout, s, causal=True)
     full_pos, local_pos = _positions(plan, position_ids if own is None else own, device)
     ids = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
@@ -163,9 +199,11 @@ def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
 
 
 def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
-                  keep_ids: bool = False, default_positions: str = "arange") -> ForwardContext:
+                  keep_ids: bool = False, default_positions: str = "arange",
+                  packed: dict | None = None) -> ForwardContext:
     """Shard an encoder-decoder backbone's inputs in place; return the forward's context (its position
-    modules get their positions from hooks, models/positions.py: `default_positions` does not apply)."""
+    modules get their positions from hooks, models/positions.py: `default_positions` does not apply;
+    nor does `packed`: packed seq2seq rows follow seqpar_hf's own convention, above)."""
     b, s_src, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
     _, s_tgt, _ = _size(kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"),
                         "labels, decoder_input_ids or decoder_inputs_embeds")

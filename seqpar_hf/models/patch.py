@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..attention.ulysses import split_heads
 from ..parallel.comm import all_gather_cat
-from ..parallel import auto
+from ..parallel import announce, auto
 from ..parallel.layout import ParallelLayout
 from . import positions, tensor_parallel, tp_checks
 from .attention_calls import LocalSite
@@ -51,17 +51,21 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     chunks of `tiled_chunk_elements` logits of the labelled tokens, never holding this rank's
     [tokens, vocab] logits; `out.logits` is then None. "auto": when those logits would have at least
     `tiled_min_elements` (2^26) elements; True: always; False: never. Evaluation never tiles.
+    A `mode="auto"` layout is resolved for this model's heads into a new layout (`layout_of(model)`; the
+    reason is logged and kept in its `auto_choice`); `layout` itself stays as built.
     """
     state = state_of(model)
     if state is not None:
-        if state.layout is layout:
+        if layout is state.layout or layout is state.requested:
             return model
         raise ValueError(f"this model is already patched with {state.layout}; call seqpar_hf.unpatch_model(model) "
                          f"before patching it with {layout}")
-    sizes = layout.sizes
+    requested, sizes = layout, layout.sizes
     split = sizes.sp_size * sizes.tp_size > 1
     family = inspect_model(model, split=split, ring=(sizes.ring_size or 1) > 1)  # ring_size None: mode "auto"
-    if auto.resolve(layout, [(site.heads, site.kv_heads) for site in family.attention]) and layout.sizes.ring_size > 1:
+    # from here on, the layout this model runs on: mode "auto" resolved for its heads (a new layout)
+    layout = auto.resolve(requested, [(site.heads, site.kv_heads) for site in family.attention])
+    if layout is not requested and layout.sizes.ring_size > 1:
         family = inspect_model(model, split=split, ring=True)  # "auto" chose a ring: prove its zigzag order too
     tp = layout.sizes.tp_size
     if tiled_loss not in (True, False, "auto"):
@@ -84,7 +88,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     attn_implementation = _compat.attn_implementation(pretrained.config)
     _own_config(pretrained)
     state = PatchState(layout, family, attn_implementation, check_inputs,
-                       TiledLoss(tiled_loss, tiled_min_elements, tiled_chunk_elements))
+                       TiledLoss(tiled_loss, tiled_min_elements, tiled_chunk_elements), requested)
     for site in family.attention:
         set_site(site.module, AttentionSite(state, site.name, site.q_side, site.kv_side, site.pattern))
     for site in family.local_attention:
@@ -102,6 +106,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     if tp > 1:
         tensor_parallel.parallelize(family, layout)
         tp_checks.complete(family, layout, tensor_parallel._AllReduceGrad)
+    announce.layout_applied(layout, model)
     return model
 
 
@@ -164,6 +169,13 @@ def gather_sequence(model, tensor: torch.Tensor, side: str = "decoder", dim: int
 def gather_logits(model, logits: torch.Tensor) -> torch.Tensor:
     """Full logits [b, s, V] from this rank's shard of the last forward's logits."""
     return gather_sequence(model, logits, "decoder")
+
+
+def layout_of(model) -> ParallelLayout | None:
+    """The layout a patched model runs on (for `mode="auto"`: the one chosen for this model, its reason in
+    `.auto_choice`), or None if the model is not patched."""
+    state = state_of(model)
+    return None if state is None else state.layout
 
 
 def family_of(model) -> ModelFamily:

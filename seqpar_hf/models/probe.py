@@ -12,6 +12,8 @@ identically on every rank (no process group), leaving the model, its RNG streams
    tokens of the full sequence; the innermost module that does not (its inputs agree, its outputs do
    not) mixes tokens outside attention (a convolution, a scan, a recurrence, attention written by hand,
    positions made from the whole batch): the model is refused, naming it.
+3. The packed runs (models/packed_probe.py): whether the model keeps the documents of packed rows apart.
+The sequence lengths fit the model's position tables (models/probe_sizes.py).
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ from torch import nn
 
 from .. import _compat
 from ..parallel.sharding import ShardPlan
-from . import dryrun, positions as positions_
+from . import dryrun, positions as positions_, probe_sizes
 from .context import CONTEXT_KWARG
 from .inputs import shard_causal, shard_seq2seq
 from .probe_checks import Refusal, culprits, describe_culprit, loss_convention, tolerance
 
-CAUSAL_LENGTH, SOURCE_LENGTH, TARGET_LENGTH, BATCH, LEFT_PAD = 25, 25, 21, 2, 3
-# 25 / 21 tokens and their shards (13, 11, 14, 12) are sizes no tiny or real model uses for a hidden dim
+BATCH, LEFT_PAD = 2, 3  # the lengths: models/probe_sizes.py (25 and 21 tokens where the position tables allow)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Observed:
     backbone: nn.Module
     backbone_name: str
     calls: list[dict]
+    sizes: probe_sizes.Sizes = probe_sizes.Sizes(*probe_sizes.DEFAULT)
     default_positions: str = "arange"
     head_logits: tuple | None = None  # (output embeddings input, the model's logits) for the tiled-loss check
     loss_convention: str | None = None  # "shift" / "same" / "other": how the model's own loss reads its labels
@@ -58,40 +60,28 @@ def _sim_layout(rank: int, ring: bool) -> _Layout:
     return _Layout(sp_size=2, sp_rank=rank, sizes=SimpleNamespace(ring_size=2 if ring else 1, tp_size=1))
 
 
-def _token_ids(model, config, length: int, seed: int) -> torch.Tensor:
-    """[BATCH, length] ordinary token ids: none of the config's special or modality ids."""
+def _token_ids(model, config, length: int, seed: int, rows: int = BATCH) -> torch.Tensor:
+    """[rows, length] ordinary token ids: none of the config's special or modality ids."""
     vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config.get_text_config().vocab_size
     special = set()
-    for c in _all_configs(config):
+    for c in probe_sizes.all_configs(config):
         for key, value in c.__dict__.items():
             if key.endswith(("_token_id", "_token_index", "_token_ids", "_id")):
                 special.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
     allowed = torch.tensor([i for i in range(3, min(vocab, 1024)) if i not in special] or [vocab - 1])
     g = torch.Generator().manual_seed(seed)
-    return allowed[torch.randint(len(allowed), (BATCH, length), generator=g)]
+    return allowed[torch.randint(len(allowed), (rows, length), generator=g)]
 
 
-def _all_configs(config):
-    out, todo = [], [config]
-    while todo:
-        c = todo.pop()
-        if c is None or any(c is o for o in out):
-            continue
-        out.append(c)
-        todo += [getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {}]
-    return out
-
-
-def _batch(model, config, kind: str, pad_id: int, device) -> dict:
+def _batch(model, config, kind: str, pad_id: int, device, sizes: probe_sizes.Sizes) -> dict:
     """Row 1 of the source (causal: of the sequence) left-padded by LEFT_PAD tokens."""
-    length = SOURCE_LENGTH if kind == "seq2seq" else CAUSAL_LENGTH
-    ids = _token_ids(model, config, length, 0)
+    ids = _token_ids(model, config, sizes.causal, 0)
     mask = torch.ones_like(ids)
     mask[1, :LEFT_PAD] = 0
     ids[mask == 0] = pad_id
     batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
     if kind == "seq2seq":
-        batch["decoder_input_ids"] = _token_ids(model, config, TARGET_LENGTH, 1).to(device)
+        batch["decoder_input_ids"] = _token_ids(model, config, sizes.target, 1).to(device)
     return batch
 
 
@@ -101,11 +91,13 @@ def _named(forward, args: tuple, kwargs: dict) -> dict:
     return {**dict(zip(params, args)), **kwargs}
 
 
-def _run(root: nn.Module, call, lengths: dict, names: dict, original, full: bool, training: bool, log_ops: bool):
-    """One forward of `root` under the stand-in attention: (recorder, run, output, error)."""
+def _run(root: nn.Module, call, lengths: dict, names: dict, original, full: bool, training: bool, log_ops: bool,
+         rows: int = BATCH, real=None):
+    """One forward of `root` under the stand-in attention (`real`: softmax attention under the masks it
+    makes, dryrun.Run): (recorder, run, output, error)."""
     root.train(training)
-    recorder = dryrun.Recorder(root, lengths, BATCH)
-    run = dryrun.Run(names, lengths, original, full)
+    recorder = dryrun.Recorder(root, lengths, rows)
+    run = dryrun.Run(names, lengths, original, full, real)
     out, error = None, None
     try:
         with dryrun.running(run), dryrun.Determinism(recorder if log_ops else None):
@@ -122,8 +114,9 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
     start = time.perf_counter()
     dryrun.register()
     device = next((p.device for p in pretrained.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    batch = _batch(pretrained, pretrained.config, kind, pad_id, device)
-    lengths = {CAUSAL_LENGTH: "decoder"} if kind == "causal" else {SOURCE_LENGTH: "encoder", TARGET_LENGTH: "decoder"}
+    sizes = probe_sizes.choose(pretrained, kind)
+    batch = _batch(pretrained, pretrained.config, kind, pad_id, device, sizes)
+    lengths = {sizes.causal: "decoder"} if kind == "causal" else {sizes.causal: "encoder", sizes.target: "decoder"}
     names = {m: n for n, m in pretrained.named_modules(remove_duplicate=False)}
     head = pretrained.get_output_embeddings()  # None: the backbone itself was given
     captured = {}
@@ -157,7 +150,7 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
     sequence = [c for c in run.attention if c["q_side"] is not None]
     backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
     backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
-    observed = Observed(backbone, backbone_name, run.attention)
+    observed = Observed(backbone, backbone_name, run.attention, sizes)
     # what the backbone was called with (the backbone itself: what the dry run passed it)
     called = _named(backbone.forward, *backbone_call[1:]) if backbone_call else dict(kwargs)
     observed.full = (recorder, batch, lengths, called)

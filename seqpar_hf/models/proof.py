@@ -1,8 +1,8 @@
 """`prove`: the model's family as the dry run shows it (models/probe.py), inside one context that leaves
 the model as it was. Every decision here comes from what the model's code did on the dry-run batch:
 which module is the backbone, which modules attend and how, which positions the backbone makes itself,
-what the forward does after the LM head, and (when the layout splits the sequence) that nothing but
-attention mixes tokens."""
+what the forward does after the LM head, whether it keeps the documents of packed rows apart, and (when
+the layout splits the sequence) that nothing but attention mixes tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from . import dryrun, probe
+from . import dryrun, packed_probe, probe
 from .attention_calls import site_records
 from .default_positions import RULES, compute
 from .families import AttentionModule, ModelFamily, structure
@@ -78,8 +78,8 @@ def choose_default_positions(observed, pad_id: int, original: str | None) -> str
     real = mask.bool().all(0).nonzero().flatten().cpu()  # compare the tokens real in every row
     dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
     for rule in RULES:
-        pos = compute(rule, ids, mask, probe.BATCH, probe.CAUSAL_LENGTH, pad_id, ids.device)
-        pos = torch.arange(probe.CAUSAL_LENGTH, device=ids.device).unsqueeze(0) if pos is None else pos
+        pos = compute(rule, ids, mask, probe.BATCH, observed.sizes.causal, pad_id, ids.device)
+        pos = torch.arange(observed.sizes.causal, device=ids.device).unsqueeze(0) if pos is None else pos
         rec, _, _, err = probe._run(backbone, lambda: backbone(**{**kwargs, "position_ids": pos}), lengths, names,
                                     dryrun.original_function(original), True, False, log_ops=False)
         if err is not None:
@@ -118,8 +118,10 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         head_post = None
         if observed.head_logits is not None:
             head_post = post_processing(pretrained, *observed.head_logits)
+        # the kinds of packed rows the unpatched model does not keep apart (seq2seq rows: seqpar_hf's convention)
+        packed = packed_probe.check(pretrained, observed, records, original) if kind == "causal" else {}
     family = ModelFamily(kind, pretrained, backbone, backbone is not pretrained, attention, positions, stacks,
-                         local, observed.default_positions, head_post)
+                         local, observed.default_positions, head_post, packed_rows=packed)
     prefix = observed.backbone_name
     family.layer_inputs = layer_inputs(family, observed.full[0].calls, prefix)
     family.inplace_outputs = {n[len(prefix) + 1:] if prefix else n for n in observed.inplace

@@ -11,7 +11,9 @@ It fits transformers' `Cache` API, so `generate` runs unchanged around it:
   balanced (counting it on every rank would weigh it sp times in the merged softmax);
 - beam search reorders the batch dim of the local shard;
 - keys that no later query can see (outside every layer's sliding window) are dropped, so a windowed
-  model's cache stays bounded as unpatched transformers' sliding-window cache is.
+  model's cache stays bounded as unpatched transformers' sliding-window cache is;
+- a layer that stores no K/V and attends over another layer's (Gemma 3n's KV-shared layers) reads that
+  layer's shard: found by identity, as the tensors its `update` returned this step (`reader`).
 The attention over the shards is `seqpar_hf.attention.decode`; the prefill that fills them is the
 ordinary sharded forward (the attention module stores its local K/V here before attending).
 """
@@ -53,6 +55,8 @@ class ShardedLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """A decoding step's new tokens [b, h_kv, s_q, d]: token t is kept on SP rank t % sp only."""
+        if self.steps and self.steps % EVICT_EVERY == 0:  # here, not after attending: a KV-shared layer reads
+            self.evict()  # the tensors returned below later in the same step
         s_q = key_states.shape[2]
         first = self.seen
         self.query_index = torch.arange(first, first + s_q, device=key_states.device)
@@ -89,11 +93,11 @@ class ShardedLayer(CacheLayerMixin):
         """The layer's sliding window, as its attention module passes it (None: full attention)."""
         self.window = None if window is None else int(window)
 
-    def evict(self, force: bool = False) -> None:
+    def evict(self) -> None:
         """Drop the keys that no later query can see: a query at index >= seen sees only keys with index
-        > seen - window. Every EVICT_EVERY steps (one copy of the shard), or now with `force` (after the
-        prefill, when most of a long prompt falls out of the window)."""
-        if self.window is None or self.keys is None or not (force or self.steps % EVICT_EVERY == 0):
+        > seen - window. After the prefill (most of a long prompt falls out of the window), and every
+        EVICT_EVERY steps (one copy of the shard) at the start of `update`."""
+        if self.window is None or self.keys is None:
             return
         keep = self.index > self.seen - self.window  # [n]
         if not bool(keep.all()):
@@ -160,8 +164,32 @@ class SequenceShardedCache(Cache):
             return layer.prefill(key_states, value_states, *self._prompt)
         return layer.update(key_states, value_states)
 
-    def layer(self, layer_idx: int) -> ShardedLayer:
-        return self.layers[layer_idx]
+    def layer(self, layer_idx: int) -> ShardedLayer | None:
+        """Layer `layer_idx`'s own shard; None if it stores no K/V (a KV-shared layer)."""
+        own = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        return own if own is not None and own.keys is not None else None
+
+    def reader(self, layer_idx: int, key: torch.Tensor, window: int | None) -> ShardedLayer:
+        """The shard that layer `layer_idx`'s attention reads in a decoding step, given its keys and window:
+        its own (the window set), or for a layer that stores none, the shard whose keys `key` is (the tensor
+        that layer's `update` returned this step), which must have the same window (it keeps what that
+        window sees)."""
+        own = self.layer(layer_idx)
+        if own is not None:
+            own.set_window(window)
+            return own
+        shared = next((layer for layer in self.layers if layer.keys is key), None)
+        why = None
+        if shared is None:
+            why = "attends over keys that are no layer's cache shard as updated this step"
+        elif shared.window != (None if window is None else int(window)):
+            why = f"reads the cache of a layer with sliding window {shared.window}, with window {window}"
+        if why is not None:  # the same on every rank: the model's code decides it
+            raise NotImplementedError(
+                f"generate under sequence parallelism: attention layer {layer_idx} stores no K/V and {why}; the "
+                "sequence-sharded cache lets a layer attend over its own K/V or over another layer's with its "
+                "window. Generate without SP (`with seqpar_hf.sp_disabled(model):`)")
+        return shared
 
     def local_bytes(self) -> int:
         """Bytes of K/V this rank holds (the shard)."""

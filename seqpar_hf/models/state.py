@@ -59,8 +59,10 @@ class AttentionSite:
 
 class PatchState:
     def __init__(self, layout: ParallelLayout, family: ModelFamily, attn_implementation: str, check_inputs: bool,
-                 tiled: TiledLoss):
+                 tiled: TiledLoss, requested: ParallelLayout | None = None):
         self.layout, self.family, self.attn_implementation = layout, family, attn_implementation
+        # the layout patch_model was given: `layout` itself, or the mode="auto" layout `layout` was resolved from
+        self.requested = requested if requested is not None else layout
         self.check_inputs, self.tiled = check_inputs, tiled
         self.pad_id = pad_token_id(family.pretrained.config)
         self.default_positions = family.default_positions  # the positions the backbone makes itself

@@ -7,7 +7,9 @@ ring groups; `patch_model` calls `resolve` with the model's attention head count
 its head counts and host name to every other (one small all-gather over the world): ranks that
 patched different models, or ranks on hosts of different sizes, are refused on every rank before
 any group exists. The choice is then the same pure function of the same numbers on every rank, and
-is logged with its reason. Later models patched with the same layout use the resolved layout.
+is logged with its reason (parallel/announce.py). The auto layout itself is never changed: each model gets the layout chosen for
+it (`ParallelLayout.resolved`, a new layout kept with the model's patch state), so one auto layout can patch
+several models, each resolved on its own (models with the same choice share one resolved layout).
 
 The rule (`choose`), per TP rank (heads / tp of each attention kind):
 - a Ulysses group of u ranks (u divides sp, u <= the fewest heads) must sit inside a node (u x tp
@@ -23,14 +25,12 @@ The lowest cost wins; ties go to the larger Ulysses group (fewer ring hops).
 
 from __future__ import annotations
 
-import logging
 import math
 import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
 
 RING_OVERHEAD = 1.1
 
@@ -79,11 +79,11 @@ def _gather(value) -> list:
     return out
 
 
-def resolve(layout, heads: list[tuple[int, int]]) -> Choice | None:
-    """Choose and build the layout of an unresolved `mode="auto"` layout (collective over the world);
-    None if the layout was not "auto" or is resolved already."""
-    if layout.__dict__.get("mode") != "auto":
-        return None
+def resolve(layout, heads: list[tuple[int, int]]):
+    """The layout a model with these attention heads runs on: `layout` itself unless its mode is "auto", else
+    the layout chosen for them (a new one; collective over the world: every rank, the same model)."""
+    if layout.mode != "auto":
+        return layout
     mine = (socket.gethostname(), sorted(set(heads)))
     everyone = _gather(mine)  # the same list on every rank: every rank takes the same branch below
     if any(h != mine[1] for _, h in everyone) or any(h != everyone[0][1] for _, h in everyone):
@@ -97,9 +97,5 @@ def resolve(layout, heads: list[tuple[int, int]]) -> Choice | None:
     for host, _ in everyone:
         per_host[host] = per_host.get(host, 0) + 1
     choice = choose(layout.sp_size, list(heads), min(per_host.values()), layout.tp_size)
-    layout._resolve(choice.mode, choice.ring_size)
-    if dist.get_rank() == 0:
-        logger.info("seqpar_hf mode='auto' chose mode=%r ring_size=%s: %s", choice.mode, choice.ring_size,
-                    choice.reason)
-    layout.auto_choice = choice
-    return choice
+    resolved = layout.resolved(choice)
+    return resolved

@@ -23,6 +23,7 @@ all-gather over the default group, and all raise the same error, naming the fiel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -51,6 +52,14 @@ class LayoutSizes:
     ulysses_size: int | None
     dp_size: int
     tp_size: int = 1
+
+
+def check_head_chunks(value) -> int | str:
+    """The one check of a `head_chunks` setting (the layout's and `--sp_head_chunks`); returns it."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"head_chunks={value!r} (--sp_head_chunks): use 'auto' or a positive integer, the most parts "
+                     "a Ulysses exchange is split into to overlap with the attention kernel")
 
 
 def _positive(name: str, value) -> None:
@@ -111,7 +120,7 @@ class ParallelLayout:
 
     >>> dist.init_process_group("gloo")                # or nccl
     >>> layout = ParallelLayout(sp_size=2, mode="ulysses")
-    >>> layout.sp_rank, layout.dp_rank, layout.dp_size, layout.mesh["sp"]
+    >>> layout.sp_rank, layout.dp_rank, layout.dp_size, layout.submesh("sp")
 
     `sp_size=1, tp_size=1` is valid without a process group: every model forward then runs as if
     unpatched. `mode="hybrid"` runs Ulysses inside groups of `sp_size // ring_size` ranks and a ring
@@ -120,9 +129,11 @@ class ParallelLayout:
     `timeout`: how long a collective of the layout's groups waits for the other ranks (None: the default
     process group's timeout; torch would give the mesh's groups 30 minutes on gloo).
     A layout is shared, never copied: `copy.deepcopy` returns the same object (a deep-copied model
-    keeps its process groups). `mode="auto"` builds no groups until `patch_model` chooses from the
-    model's heads (`seqpar_hf.parallel.auto`). `head_chunks`: parts of a Ulysses exchange overlapped
-    with the kernel ("auto": by the exchange's size; an int: at most that many).
+    keeps its process groups), and never changed once built. `mode="auto"` builds no groups: `patch_model`
+    chooses for each model from its heads (`seqpar_hf.parallel.auto`) and patches it with a new, resolved
+    layout (`seqpar_hf.layout_of(model)`); the auto layout itself stays as built, so it can patch several
+    models. `head_chunks`: parts of a Ulysses exchange overlapped with the kernel ("auto": by the
+    exchange's size; an int: at most that many).
     """
 
     sp_size: int = 1
@@ -132,35 +143,53 @@ class ParallelLayout:
     head_chunks: int | str = "auto"
     timeout: timedelta | None = None
     sizes: LayoutSizes = field(init=False, repr=False)
+    auto_choice = None  # on a layout resolved from mode="auto": the `auto.Choice` it was built from, with its reason
 
     def __post_init__(self):
-        if self.head_chunks != "auto" and (not isinstance(self.head_chunks, int) or isinstance(self.head_chunks, bool)
-                                           or self.head_chunks < 1):
-            raise ValueError(f"head_chunks must be 'auto' or a positive integer, got {self.head_chunks!r}")
+        check_head_chunks(self.head_chunks)
         if self.mode == "auto":
             running = dist.is_available() and dist.is_initialized()
             self.sizes = validate_sizes(dist.get_world_size() if running else 1, self.sp_size, self.mode,
                                         self.ring_size, self.tp_size)
-            if self.sp_size > 1:  # dp / world sizes are known; groups are built by `_resolve` at patch_model
+            if self.sp_size > 1:  # dp / world sizes are known; groups belong to the layouts `resolved` returns
                 self.rank = dist.get_rank() if running else 0
                 self.device_type = _device_type() if running else "cpu"
+                self._resolved = {}  # (mode, ring_size) -> the layout built for it: models that agree share one
                 if running and dist.get_backend() != "fake":
                     self._agree(self.ring_size)  # every rank asked for "auto" (resolved together later)
+                self._sealed = True
                 return
             self.mode = "ulysses"
         self._build()
+        self._sealed = True
 
-    def _resolve(self, mode: str, ring_size: int | None) -> None:
-        """Fix the mode "auto" chose and build the groups (collective: every rank, same values)."""
-        self.mode, self.ring_size = mode, ring_size
-        self._build()
+    def __setattr__(self, name, value):
+        # the model patched with a layout, its process groups and its forward's fingerprint all read these values
+        if self.__dict__.get("_sealed"):
+            raise AttributeError(f"ParallelLayout.{name} cannot be changed once the layout is built; build another "
+                                 "ParallelLayout")
+        super().__setattr__(name, value)
 
-    def __getattr__(self, name):  # only reached for attributes not set: an auto layout not resolved yet
-        if name.startswith("__") or self.__dict__.get("mode") != "auto":
+    def resolved(self, choice) -> "ParallelLayout":
+        """The layout `mode="auto"` chose (`choice`: mode, ring size and reason, `seqpar_hf.parallel.auto`): a new
+        layout with that mode and groups; this one is left as built. Collective the first time for each choice
+        (it builds the groups): every rank, same choice."""
+        if self.mode != "auto":
+            raise ValueError(f"{self} is not mode='auto': there is nothing to resolve")
+        key = (choice.mode, choice.ring_size)
+        if key not in self._resolved:
+            layout = dataclasses.replace(self, mode=choice.mode, ring_size=choice.ring_size)
+            object.__setattr__(layout, "auto_choice", choice)  # still being built: nobody else holds it yet
+            self._resolved[key] = layout
+        return self._resolved[key]
+
+    def __getattr__(self, name):  # only reached for attributes not set: an auto layout (never resolved itself)
+        if name.startswith("_") or self.__dict__.get("mode") != "auto":
             raise AttributeError(name)
         # an AttributeError, so that hasattr / getattr with a default still work
-        raise AttributeError(f"ParallelLayout(mode='auto').{name}: not known before seqpar_hf.patch_model(model, "
-                           "layout) chooses the layout from the model's heads; patch the model first")
+        raise AttributeError(f"ParallelLayout(mode='auto').{name}: an auto layout has no groups of its own; "
+                             "seqpar_hf.patch_model(model, layout) chooses a layout for each model from its heads: "
+                             "read it with seqpar_hf.layout_of(model)")
 
     def _build(self):
         if not (dist.is_available() and dist.is_initialized()):
@@ -193,10 +222,12 @@ class ParallelLayout:
         # init_device_mesh is collective; so is flattening (both create process groups on every rank).
         self.mesh = _compat.init_mesh(self.device_type, (s.dp_size, s.ring_size, s.ulysses_size, s.tp_size),
                                       MESH_DIMS)
-        _compat.flatten_mesh(self.mesh, ("ring", "ulysses"), "sp")
-        _compat.flatten_mesh(self.mesh, ("dp", "ring", "ulysses"), "dp_sp")
+        # the flattened dims are kept as flattening returns them: slicing one back out of the root mesh
+        # (`mesh["sp"]`) is deprecated from torch 2.11, with a warning on every rank
+        flat = {"sp": ("ring", "ulysses"), "dp_sp": ("dp", "ring", "ulysses")}
         if s.tp_size > 1:
-            _compat.flatten_mesh(self.mesh, ("ring", "ulysses", "tp"), "replica")
+            flat["replica"] = ("ring", "ulysses", "tp")
+        self.flat_meshes = {name: _compat.flatten_mesh(self.mesh, dims, name) for name, dims in flat.items()}
         self.sp_group, self.sp_ranks = self._group("sp")
         self.ulysses_group, self.ulysses_ranks = self._group("ulysses")
         self.ring_group, self.ring_ranks = self._group("ring")
@@ -234,8 +265,13 @@ class ParallelLayout:
             if timeout is not None:
                 group.set_timeout(timeout)
 
+    def submesh(self, name: str):
+        """The 1-D mesh of one named dim: "dp", "ring", "ulysses", "tp", or a flattened one ("sp", "dp_sp",
+        "replica" with TP); what FSDP2 and DTensor take."""
+        return self.flat_meshes[name] if name in self.flat_meshes else self.mesh[name]
+
     def _group(self, name: str):
-        sub = self.mesh[name]
+        sub = self.submesh(name)
         ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())  # global ranks, in the dim's order
         return (None if len(ranks) == 1 else sub.get_group()), ranks
 
@@ -290,9 +326,10 @@ class ParallelLayout:
 
     def __repr__(self) -> str:
         if self.mode == "auto":
-            return f"ParallelLayout(mode='auto', sp_size={self.sp_size}, tp_size={self.tp_size}, not resolved yet)"
+            return f"ParallelLayout(mode='auto', sp_size={self.sp_size}, tp_size={self.tp_size}, chosen per model)"
         s = self.sizes
         tp = f", tp_size={s.tp_size}" if s.tp_size > 1 else ""
+        auto = ", chosen by mode='auto'" if self.auto_choice is not None else ""
         return (f"ParallelLayout(mode={s.mode!r}, sp_size={s.sp_size}, ring_size={s.ring_size}, "
                 f"ulysses_size={s.ulysses_size}{tp}, dp_size={s.dp_size}, rank={self.rank}, "
-                f"sp_rank={self.sp_rank}, dp_rank={self.dp_rank})")
+                f"sp_rank={self.sp_rank}, dp_rank={self.dp_rank}{auto})")

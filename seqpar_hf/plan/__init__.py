@@ -8,7 +8,8 @@
 In the order a plan is made: `configs.py` (the model's sizes: a known name or a config.json of a
 Llama-like decoder), `memory.py` (the model of bytes: per-rank peak of one training step for one
 layout), `search.py` (the layouts to count, the recommendation, the longest sequence that fits),
-`cli.py` (the command line), `measured.py` (the planner against benchmarks/longest_sequence.py's
+`cli.py` (the command line), `howto.py` (the table's legend; the flags, launch and
+`patch_model` call of the recommended layout), `measured.py` (the planner against benchmarks/longest_sequence.py's
 measured peaks); `checks.py` holds the checks of every input, shared by the library and the command
 line (ValueError in the library; exit code 2 on the command line; the same words).
 """

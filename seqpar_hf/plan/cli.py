@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from . import checks
+from . import checks, howto
 from .checks import GIB, SIZES
 from .configs import FAMILY, KNOWN, load_model
 from .measured import validate
@@ -24,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="llama-3-8b",
                         help=f"a transformers config.json (or its folder), or one of: {', '.join(KNOWN)}")
     for name in SIZES:
-        parser.add_argument(f"--{name}", type=int, help=f"override the model's {name} ({checks.MEANING[name]})")
+        parser.add_argument(_flag(name), dest=name, type=int,
+                            help=f"override the model's {name.replace('_', ' ')} ({checks.MEANING[name]})")
+        if "_" in name:  # the spelling of earlier versions, still accepted
+            parser.add_argument(f"--{name}", dest=name, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--validate", metavar="JSON",
                         help="compare with benchmarks/results/longest_sequence.json (measured peaks) and exit")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -40,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-") if name in ("seq_len", "gpu_memory") else f"--{name}"
+    """Every flag is spelled with dashes (`--kv-heads`; `--kv_heads` is accepted too)."""
+    return "--" + name.replace("_", "-")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -57,7 +61,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
             raise ValueError(f"--model {e}") from None
         # a known model's or a config's sizes with the overrides: named by flag if given, else by the model
         sizes = {**{k: getattr(model, k) for k in SIZES + ("tied",)}, **overrides}
-        checks.model_sizes(sizes, name_of=lambda k: f"--{k}" if k in overrides else f"{k} of --model {args.model}")
+        checks.model_sizes(sizes, name_of=lambda k: _flag(k) if k in overrides else f"{k} of --model {args.model}")
         return replace(model, **overrides), budget
     except ValueError as e:
         parser.error(str(e))
@@ -93,14 +97,20 @@ def main(argv=None):
         print(f"{r.layout.describe():44s} {p['states'] / GIB:8.2f} {p['fsdp_gathered'] / GIB:7.2f} "
               f"{p['activations'] / GIB:8.2f} {p['logits'] / GIB:8.2f} {p['communication'] / GIB:7.2f} "
               f"{r.peak / GIB:9.2f}  {r.moment}{'' if r.peak <= budget else '  (does not fit)'}")
+    print(howto.LEGEND)
     best = recommend(rows, budget)
     if best is None:
         smallest = min(rows, key=lambda r: r.peak)
+        # a bf16 run is not told to use bf16
+        remedies = ("more ranks or a shorter sequence" if args.dtype == "bf16"
+                    else "more ranks, a shorter sequence, or bf16")
         print(f"nothing fits: the smallest peak, {smallest.peak / GIB:.1f} GiB ({smallest.layout.describe()}), is above "
               f"the {budget / GIB:.1f} GiB usable per rank ({args.gpu_memory:g} GiB less the {args.reserve:.0%} "
-              "reserve); more ranks, a shorter sequence, or bf16")
+              f"reserve); {remedies}")
     else:
         dp = args.gpus // (best.layout.sp * best.layout.tp)
         print(f"recommended: {best.layout.describe()}, dp={dp}, FSDP over {dp * best.layout.sp} ranks; "
               f"peak {best.peak / GIB:.1f} GiB of {budget / GIB:.1f}")
+        logits = args.batch * -(-args.seq_len // best.layout.sp) * model.vocab  # one rank's [tokens, vocab]
+        print("\n".join(howto.run_lines(best.layout, args.gpus, args.dtype, logits)))
     return best

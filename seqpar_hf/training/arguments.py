@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Seq2SeqTrainingArguments
 
-from ..parallel.layout import MODES, validate_sizes
+from ..parallel.layout import MODES, check_head_chunks, validate_sizes
 from ..parallel.process_group import DEFAULT_TIMEOUT
 
 GENERATE_CHOICES = ("auto", "always", "never")
@@ -67,12 +67,7 @@ class SequenceParallelFields:
     def head_chunks(self) -> int | str:
         """`sp_head_chunks` as ParallelLayout takes it ("auto" or a positive int)."""
         value = str(self.sp_head_chunks)
-        if value == "auto":
-            return value
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--sp_head_chunks {value}: must be 'auto' or a positive integer (head parts whose "
-                             "exchange overlaps the kernel)")
-        return int(value)
+        return check_head_chunks(int(value) if value.isdigit() else value)
 
 
 @dataclass

@@ -35,7 +35,7 @@ def is_fully_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, layout, reshard_after_forward: bool = True) -> dict:
-    """`fully_shard` every layer, then the whole model, over `layout.mesh["dp_sp"]`. Returns (and logs)
+    """`fully_shard` every layer, then the whole model, over `layout.submesh("dp_sp")`. Returns (and logs)
     what was sharded over which ranks. The model must be patched (and tensor-parallel) first."""
     from torch.distributed.fsdp import fully_shard
 
@@ -46,7 +46,7 @@ def shard_model(model: nn.Module, layout, reshard_after_forward: bool = True) ->
     if ranks == 1:
         summary["sharded"] = False
         return summary
-    mesh = layout.mesh["dp_sp"]
+    mesh = layout.submesh("dp_sp")
     units = 0
     for stack in family.layer_stacks:
         for layer in getattr(stack, "layers", []):

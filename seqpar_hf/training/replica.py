@@ -7,15 +7,64 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 
 import torch
+import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import recursively_apply
 from torch.utils.data import SequentialSampler
 from transformers.trainer_utils import has_length
 
 from .. import _compat
+from ..parallel.agree import explain_timeout
+from ..parallel.comm import all_gather_into
 from ..parallel.layout import ParallelLayout
+
+# Training-argument fields that may differ per rank: where a process writes and what it prints or reports.
+# Every other field changes the numbers or the collectives of training and must be the same on every rank.
+_PER_PROCESS = ("output_dir", "logging_dir", "run_name", "local_rank", "log_level", "log_level_replica",
+                "log_on_each_node", "disable_tqdm", "report_to", "project", "push_to_hub", "resume_from_checkpoint",
+                "skip_memory_metrics", "dataloader_num_workers", "dataloader_pin_memory",
+                "dataloader_persistent_workers", "dataloader_prefetch_factor", "ddp_timeout", "log_completions",
+                "log_completions_hub_repo", "num_completions_to_print", "log_unique_prompts", "log_multimodal")
+_PER_PROCESS_PREFIXES = ("hub_", "trackio_")
+
+
+def _argument_values(args) -> dict:
+    return {k: v for k, v in args.to_dict().items()
+            if k not in _PER_PROCESS and not k.startswith(_PER_PROCESS_PREFIXES)}
+
+
+def _as_text(value) -> str:
+    # objects by type: their reprs hold addresses that differ per process
+    return json.dumps(value, sort_keys=True, default=lambda o: type(o).__qualname__)
+
+
+def check_same_arguments(args, device) -> None:
+    """Raise ValueError on every rank unless every rank trains with the same arguments (those of
+    `_PER_PROCESS` aside): an optimizer setting that differs per rank steps the ranks of a replica apart
+    (their weights would differ at the next forward), a GRPO / RLOO group setting scores different groups
+    on each rank. One all-gather of a 64-bit hash; the values only when they differ."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    values = _argument_values(args)
+    digest = hashlib.sha256(_as_text(values).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.long, device=device)
+    everyone = mine.new_empty(dist.get_world_size())
+    with explain_timeout("comparing the training arguments across ranks"):
+        all_gather_into(everyone, mine)  # [world]
+    if len(set(everyone.tolist())) == 1:
+        return
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, json.loads(_as_text(values)))
+    keys = sorted(k for k in set().union(*every) if len({_as_text(e.get(k)) for e in every}) > 1)
+    raise ValueError(f"ranks disagree on the training arguments ({type(args).__name__}: " + "; ".join(
+        f"{k}: " + ", ".join(f"rank {r}: {e.get(k)!r}" for r, e in enumerate(every)) for k in keys[:8]) + "). Every "
+        "rank must train with the same arguments (only paths, names, logging and reporting may differ): per-rank "
+        "optimizer settings would step the ranks of a replica apart, per-rank GRPO / RLOO settings would score "
+        "different groups. Pass the same arguments on every rank.")
 
 
 def prepare_replica_data_loader(accelerator, layout: ParallelLayout, data_loader, device_placement=None):

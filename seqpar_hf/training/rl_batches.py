@@ -11,10 +11,14 @@ loss sees it: one process per replica.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 import torch.distributed as dist
 
-from ..parallel.comm import group_size
+from ..parallel.agree import explain_timeout
+from ..parallel.comm import all_gather_into, group_size
 from ..parallel.layout import ParallelLayout
 from .replica import one_per_replica
 
@@ -26,6 +30,30 @@ RIGHT = {"completion_ids": "pad", "completion_mask": 0, "old_per_token_logps": 0
          "tool_mask": 1}
 ROWS = ("advantages", "old_logps")
 SAME = ("num_items_in_batch",)
+
+
+def check_same_prompts(inputs: list, layout: ParallelLayout, device) -> None:
+    """Raise ValueError on every rank of the SP group unless its ranks hold the same generation batch (the
+    rows TRL's sampler gave this replica: prompts and every other column). Ranks reading different datasets
+    (or another order) would each score their slice of another batch and train on a mix, silently. One
+    all-gather of 2 int64 per generation batch, before any other collective of its scoring."""
+    n = group_size(layout.sp_group)
+    if n == 1:
+        return
+    plain = lambda o: o.tolist() if hasattr(o, "tolist") else type(o).__name__  # noqa: E731 - tensors by value
+    text = json.dumps(inputs, sort_keys=True, default=plain)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    mine = torch.tensor([len(inputs), digest], dtype=torch.long, device=device)
+    everyone = mine.new_empty(n * 2)
+    with explain_timeout("comparing the generation batch across the SP group"):
+        all_gather_into(everyone, mine, group=layout.sp_group)  # [sp * 2]
+    rows = everyone.view(n, 2).tolist()
+    if all(r == rows[0] for r in rows):
+        return
+    raise ValueError("ranks of one SP group hold different generation batches (" + ", ".join(
+        f"rank {k}: {r[0]} rows, sha256 {r[1] & 0xFFFFFFFF:08x}" for k, r in enumerate(rows)) + "). Every rank of an "
+        "SP group must read the same prompts, the replica's batch, which the trainer splits among them: pass the "
+        "same train_dataset / eval_dataset (same rows, same order) and the same arguments on every rank.")
 
 
 def rank_rows(rows: int, layout: ParallelLayout) -> slice:

@@ -11,7 +11,10 @@ name only once complete, and resuming from one that misses weights is an error.
   gathers of sharded models, the Trainer's barrier), then every rank learns who failed (one all-reduce,
   and on failure one all-gather of the messages) and raises the same error. `save_model` does the
   same: call it on every rank (it is collective for TP and FSDP models anyway).
-- Resuming: missing or unexpected keys raise (`checkpoint.check_keys`) where transformers only warns.
+- Resuming: missing or unexpected keys raise (`checkpoint.check_keys`) where transformers only warns. Every
+  checkpoint records the layout it was written at; before loading, every rank checks the checkpoint's files
+  and its optimizer state against this run's layout, and state written at another layout is converted
+  (`resume`).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from .. import _compat
 from ..parallel.agree import explain_timeout
-from . import checkpoint
+from . import checkpoint, resume
 
 
 class SafeCheckpointMixin:
@@ -46,6 +49,9 @@ class SafeCheckpointMixin:
         self._staging, self._save_errors = staging, []
         try:
             super()._save_checkpoint(model, trial)
+            if self.args.should_save and getattr(self, "layout", None) is not None:
+                record = resume.describe(self.layout, self.model, _compat.unwrap_optimizer(self.optimizer))
+                resume.write_record(os.path.join(staging, name), record)
         except Exception as exc:  # noqa: BLE001 - after the save's last collective; reported on every rank below
             self._save_errors.append(exc)
         finally:
@@ -118,9 +124,28 @@ class SafeCheckpointMixin:
     def _agree(self, error: BaseException | None, doing: str, after: str = "") -> None:
         agree(error, doing, self.args.device, after)
 
-    # ---- resuming: missing or unexpected weights are an error --------------------------------------
+    # ---- resuming: unreadable files, missing or unexpected weights are errors; other layouts convert ----
 
     _resuming: str | None = None
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        folder = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+        if isinstance(folder, str) and getattr(self, "layout", None) is not None and self.model is not None:
+            current = resume.describe(self.layout, self.model)
+            self._agree(attempt(resume.check, folder, current), f"resuming from {folder}")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):  # private Trainer hook, pinned in test_compat
+        if checkpoint_dir is None or getattr(self, "layout", None) is None:
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        if not resume.has_optimizer_state(checkpoint_dir):
+            return None  # both start fresh, as in the Trainer (`train` warned)
+        optimizer = _compat.unwrap_optimizer(self.optimizer)
+        state = resume.converted(checkpoint_dir, self.model, optimizer, resume.describe(self.layout, self.model))
+        if state is None:  # keyed and grouped as this run's: the Trainer's own loading
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        checkpoint.load_full_optimizer_state_dict(self.model, optimizer, state[0])
+        self.lr_scheduler.load_state_dict(state[1])
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):  # private Trainer hook, pinned
         self._resuming = resume_from_checkpoint

@@ -21,13 +21,14 @@ from transformers import Seq2SeqTrainer
 from .. import _compat
 from ..models import labels as labels_
 from ..models.loss import global_batch_loss
-from ..models.patch import gather_logits, is_patched, model_kind, patch_model
+from ..models.patch import gather_logits, is_patched, layout_of, model_kind, patch_model
+from ..parallel import announce
 from ..parallel.comm import group_size
 from ..parallel.layout import ParallelLayout
 from . import fsdp
 from .arguments import SequenceParallelArguments
 from .generation import generate_in_slices, generate_under_sp, use_sp
-from .replica import ReplicaMixin
+from .replica import ReplicaMixin, check_same_arguments
 from .saving import SafeCheckpointMixin, agree, attempt
 from .sharded import ShardedModelMixin
 
@@ -47,14 +48,19 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
                             "(SequenceParallelArguments, or the TRL configs in seqpar_hf.training.trl)")
         args.device  # sets up the process group when launched distributed (accelerate / torchrun)
         _honor_precision_flags(args)
+        announce.show_in_runs(args.should_log)  # the layout line, as transformers shows its own logs
         # the Trainer creates output_dir on the saving rank only: an unwritable one is an error on every rank
         agree(attempt(os.makedirs, args.output_dir, exist_ok=True) if args.should_save else None,
               f"creating output_dir {args.output_dir!r}", args.device)
         self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size,
                                                  head_chunks=args.head_chunks())
+        check_same_arguments(args, args.device)  # after the layout's own check, which names its fields better
         # the layout's groups wait as long as the default group (ddp_timeout), not torch's 30 minutes
-        if model is not None and not isinstance(model, str) and not is_patched(model):
-            patch_model(model, self.layout)
+        if model is not None and not isinstance(model, str):
+            if not is_patched(model):
+                patch_model(model, self.layout)
+            if self.layout.mode == "auto":  # the layout chosen for this model (an auto layout has no groups)
+                self.layout = layout_of(model) or self.layout
         self.fsdp_summary = None
         if model is not None and not isinstance(model, str) and fsdp.fsdp_requested(args):
             # FSDP2 over dp x sp, also on CPU, where the Trainer would silently ignore the request

@@ -34,7 +34,7 @@ from ..parallel.layout import ParallelLayout
 from . import fsdp
 from .arguments import SequenceParallelFields
 from .replica import ReplicaMixin, one_per_replica
-from .rl_batches import ReplicaAccelerator, gather_rows, group_rows, rank_rows, sync_rng
+from .rl_batches import ReplicaAccelerator, check_same_prompts, gather_rows, group_rows, rank_rows, sync_rng
 from .trainer import SequenceParallelMixin
 
 
@@ -191,6 +191,7 @@ class _RLSequenceParallel(SequenceParallelMixin):
     # ---- scoring: each rank its slice, TRL's world-level gathers put the global batch together -------------
 
     def _generate_and_score_completions(self, inputs):
+        check_same_prompts(inputs, self.layout, self.accelerator.device)
         self._scoring = True
         try:
             mine = super()._generate_and_score_completions(inputs[rank_rows(len(inputs), self.layout)])

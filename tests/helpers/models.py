@@ -47,6 +47,8 @@ def causal_config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int 
         return Qwen2Config(**{"use_sliding_window": False, **common})
     extra = CAUSAL_EXTRA[family]
     config_class = getattr(transformers, extra["config"])
+    if extra.get("mla"):
+        common["num_key_value_heads"] = heads
     kwargs = {k: v for k, v in {**common, **extra.get("kwargs", {}), **overrides}.items()
               if k not in extra.get("drop", ())}
     return config_class(**kwargs)
@@ -75,6 +77,16 @@ CAUSAL_EXTRA = {
                      drop=("num_key_value_heads", "head_dim"),
                      kwargs=dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "partial_rotary_factor": 0.5}, hidden_dropout=0.0)),
+    # multi-head latent attention with the released checkpoints' widths, scaled: q/k 12 (8 + 4 rotary) per head,
+    # v 8 (as 192 vs 128); `v_head_dim=16` for a value wider than q/k. Every head has its own k (kv heads = heads)
+    "deepseek_v3": dict(config="DeepseekV3Config", model="DeepseekV3ForCausalLM", drop=("head_dim",), mla=True,
+                        kwargs=dict(qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16,
+                                    q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "deepseek_v2": dict(config="DeepseekV2Config", model="DeepseekV2ForCausalLM", mla=True,  # q without a LoRA (Lite)
+                        kwargs=dict(head_dim=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16,
+                                    q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1)),
 }
 
 

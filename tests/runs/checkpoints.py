@@ -1,6 +1,6 @@
 """In-rank bodies (misc group, 2 ranks) of the Trainer's bad-input cases: failed saves, checkpoints missing
-weights on resume, an unwritable output_dir, ranks asking for different layouts. Asserted in
-tests/test_robustness_gloo.py."""
+weights, truncated or written at a layout they cannot resume at, an unwritable output_dir, ranks asking for
+different layouts. Asserted in tests/test_robustness_gloo.py."""
 
 from __future__ import annotations
 
@@ -60,12 +60,25 @@ def _edit_weights(checkpoint: str, drop: str | None = None, add: str | None = No
     dist.barrier()
 
 
+def _damage(path: str, remove: bool = False) -> None:
+    """Rank 0 removes the file or cuts it in half (a save that was interrupted)."""
+    if dist.get_rank() == 0:
+        if remove:
+            os.remove(path)
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+            with open(path, "wb") as f:
+                f.write(data[:len(data) // 2])
+    dist.barrier()
+
+
 def _listing(folder: str) -> str:
     return str(sorted(os.listdir(folder))) if os.path.isdir(folder) else "missing"
 
 
 def cases(results: dict) -> None:
-    base = _shared_dir()
+    base, resumed_at = _shared_dir(), {}
     for path in PATHS:
         out = os.path.join(base, path)
         trainer = _trainer(path, out)
@@ -73,7 +86,7 @@ def cases(results: dict) -> None:
             results[f"save-fails-{path}"] = _attempt(trainer.train)  # checkpoint-1 written, checkpoint-2 fails
         results[f"save-fails-{path}-listing"] = (_listing(out), 0.0)
         _edit_weights(os.path.join(out, "checkpoint-1"), drop="model.decoder.layers.0.encoder_attn.out_proj.bias")
-        resumed = _trainer(path, out + "-resumed")
+        resumed = resumed_at[path] = _trainer(path, out + "-resumed")
         results[f"resume-missing-weight-{path}"] = _attempt(
             lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1")))
         if path == "plain":
@@ -82,6 +95,13 @@ def cases(results: dict) -> None:
                 lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1")))
             with failing_torch_save():
                 results["save-model-fails"] = _attempt(lambda: resumed.save_model(out + "-final"))
+    # resuming at tp 2 a checkpoint written at tp 1 that does not record its optimizer's parameter names (written
+    # before they were recorded); a truncated file: refused on every rank before the resume's first collective
+    plain, tp = os.path.join(base, "plain", "checkpoint-1"), os.path.join(base, "tp", "checkpoint-1")
+    _damage(os.path.join(plain, "seqpar_layout.json"), remove=True)
+    results["resume-numbered-optimizer-at-tp"] = _attempt(lambda: resumed_at["tp"].train(resume_from_checkpoint=plain))
+    _damage(os.path.join(tp, "model.safetensors"))
+    results["resume-truncated-weights-tp"] = _attempt(lambda: resumed_at["tp"].train(resume_from_checkpoint=tp))
     a_file = os.path.join(base, "a-file")
     if dist.get_rank() == 0:
         open(a_file, "w").close()

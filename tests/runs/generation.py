@@ -8,6 +8,9 @@ import copy
 
 import torch
 import torch.distributed as dist
+import transformers
+from transformers import (LogitsProcessor, LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList,
+                          SuppressTokensLogitsProcessor)
 
 import seqpar_hf
 
@@ -44,19 +47,44 @@ def _finite_error(got: tuple, want: tuple) -> float:
     return worst
 
 
+# Gemma 3n's KV-shared layers: layers 2 and 3 store no K/V and attend over those of layers 0 (sliding) and 1
+GEMMA3N = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2,
+               num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+               laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
+
+
+def _build(family: str, **config):
+    if family != "gemma3n":
+        return build_model(family, **config)
+    torch.manual_seed(0)
+    model = transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(**{**GEMMA3N, **config})).float()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _objects() -> dict:
+    """generate arguments json cannot write: tuple keys (also in the generation config, which they update),
+    a processor object, a stopping criterion whose state (its start time) differs per process."""
+    return dict(sequence_bias={(11,): 5.0, (7, 8): -3.0},
+                logits_processor=LogitsProcessorList([SuppressTokensLogitsProcessor([5, 6])]),
+                stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600.0)]))
+
+
 def run_case(case: dict) -> dict:
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
                                       ring_size=case.get("ring_size"))
     family = case["family"]
     # the tiny encoder-decoders' default init (std 0.02) decodes the same tokens for every source
     lively = dict(init_std=0.3) if family in SEQ2SEQ else {}
-    model = build_model(family, **lively, **case.get("model", {})).eval()
+    model = _build(family, **lively, **case.get("model", {})).eval()
     reference = copy.deepcopy(model)
     seqpar_hf.patch_model(model, layout)
     inputs = inputs_for(family, seed=case.get("seed", 7))
     kwargs = dict(max_new_tokens=case.get("new", 5), min_new_tokens=case.get("new", 5), num_beams=case.get("beams", 1),
                   do_sample=case.get("sample", False), return_dict_in_generate=True, output_scores=True,
-                  output_logits=True)
+                  output_logits=True, **(_objects() if case.get("objects") else {}))
     torch.manual_seed(11)  # sampling: the same seed on every rank, and for the reference
     out = model.generate(**inputs, **kwargs)
     torch.manual_seed(11)
@@ -102,6 +130,12 @@ def _cases(world: int) -> list[dict]:
             dict(base, name="ulysses-mistral-window-beam4", family="mistral", model=window, beams=4),
             # past the periodic eviction of out-of-window keys (every 64 steps)
             dict(base, name="ring-mistral-window-70-tokens", family="mistral", mode="ring", model=window, new=70),
+            dict(base, name="ulysses-llama-sequence-bias-and-processor-objects", family="llama", objects=True),
+            # KV-shared layers read another layer's cache shard; 70 tokens: past the periodic eviction
+            dict(base, name="ring-gemma3n-kv-shared-beam4", family="gemma3n", mode="ring", model=window, beams=4),
+            dict(base, name="ulysses-gemma3n-kv-shared-70-tokens", family="gemma3n", model=window, new=70),
+            # latent attention: v's head width apart from q/k's, a sharded cache of the latents
+            dict(base, name="ring-deepseek_v3-greedy", family="deepseek_v3", mode="ring"),
         ]
     base = dict(sp=4)
     return [
@@ -158,6 +192,9 @@ def refusals() -> dict:
         "different_settings": _message(lambda: marian.generate(**inputs_for("marian", 3), max_new_tokens=3 + rank)),
         "one_rank_refuses": _message(lambda: model.generate(**inputs, **gen, output_attentions=rank == 0,
                                                             return_dict_in_generate=True)),
+        "different_sequence_bias": _message(lambda: model.generate(**inputs, **gen, sequence_bias={(11 + rank,): 5.0})),
+        # validated before sharding, as a forward's: not an IndexError on the rank holding positions >= 128
+        "source_past_positions": _message(lambda: marian.generate(input_ids=torch.randint(3, VOCAB, (2, 200)), **gen)),
     }
     torch.manual_seed(rank)  # sampling needs the same generator state on every rank
     out["different_seeds"] = _message(lambda: model.generate(**inputs, max_new_tokens=3, do_sample=True))
@@ -171,6 +208,46 @@ def refusals() -> dict:
     with seqpar_hf.sp_disabled(model):
         out["sp_disabled_equal"] = torch.equal(model.generate(**mine, **gen), plain.generate(**mine, **gen))
     out["after_errors"] = torch.equal(model.generate(**inputs, **gen), plain.generate(**inputs, **gen))
+    return out
+
+
+class _Force(LogitsProcessor):
+    """Makes generate take the given tokens (teacher forcing); its raw logits are the model's at them."""
+
+    def __init__(self, sequences: torch.Tensor):
+        self.sequences = sequences
+
+    def __call__(self, input_ids, scores):
+        token = self.sequences[:, input_ids.shape[1]]
+        forced = torch.full_like(scores, float("-inf"))
+        forced[torch.arange(len(token)), token] = 0.0
+        return forced
+
+
+BF16_CASES = [("llama", "ulysses"), ("qwen2", "ring"), ("marian", "ring")]
+
+
+def bf16_checks(new: int = 20) -> list[dict]:
+    """bf16 generation against the unpatched bf16 model, along the SAME tokens (the SP model's, teacher-forced
+    into the reference): every step's logits, next to the unpatched model's own eager-vs-sdpa difference."""
+    out = []
+    for family, mode in BF16_CASES:
+        lively = dict(init_std=0.3) if family in SEQ2SEQ else {}
+        model = build_model(family, **lively).to(torch.bfloat16).eval()
+        reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+        eager.set_attn_implementation("eager")
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=2, mode=mode))
+        inputs = inputs_for(family, seed=7)
+        kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True,
+                      output_logits=True)
+        got = model.generate(**inputs, **kwargs)
+        free = reference.generate(**inputs, **kwargs).sequences
+        forced = LogitsProcessorList([_Force(got.sequences)])
+        want = reference.generate(**inputs, **kwargs, logits_processor=forced).logits
+        other = eager.generate(**inputs, **kwargs, logits_processor=forced).logits
+        out.append({"name": f"bf16-{mode}-{family}", "tokens_equal": torch.equal(got.sequences, free),
+                    "logits_err": max(relative_error(a.float(), b.float()) for a, b in zip(got.logits, want)),
+                    "eager_vs_sdpa": max(relative_error(a.float(), b.float()) for a, b in zip(other, want))})
     return out
 
 
@@ -203,4 +280,5 @@ def all_checks(world: int) -> dict:
     if world == 2:
         out["refusals"] = refusals()
         out["trainer"] = trainer_checks()
+        out["bf16"] = bf16_checks()
     return out

@@ -55,15 +55,34 @@ def seq2seq_packed_batch(seed: int, max_tokens: int = 12, lengths=PAIR_LENGTHS, 
         [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed, lengths)])
 
 
+def _model(case: dict):
+    if case["family"] == "opt":  # its documents attend to each other (tests/test_probe.py)
+        import warnings
+
+        from conformance.tiny import build_tiny
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build_tiny("opt", "OPTForCausalLM")[0]
+    return build_model(case["family"], **case.get("model", {}))
+
+
 def run_case(case: dict) -> dict:
-    """`case`: name, family, sp, mode, ring_size, head_chunks, model, flash_kwargs, rows."""
+    """`case`: name, family, sp, mode, ring_size, head_chunks, model, flash_kwargs, rows; `mask`: an
+    attention_mask of ones (the positions are then only positions); `refused`: the forward must raise
+    (returns the message)."""
     layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
                                       ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
-    model = build_model(family, **case.get("model", {}))
+    model = _model(case)
     reference = copy.deepcopy(model)
     seqpar_hf.patch_model(model, layout)
     many = case.get("many", False)
+    if case.get("refused"):
+        try:
+            model(**causal_packed_batch(7, case.get("flash_kwargs", True)))
+        except ValueError as exc:
+            return {"name": case["name"], "error": str(exc)}
+        return {"name": case["name"], "error": None}
     if family in SEQ2SEQ:
         lengths = MANY_PAIRS if many else PAIR_LENGTHS
         # start None: the collator leaves decoder inputs to the model, which builds each pair's (mBART: its last label)
@@ -77,6 +96,8 @@ def run_case(case: dict) -> dict:
     else:
         batch = causal_packed_batch(7, case.get("flash_kwargs", True), case.get("rows", 1),
                                     MANY_DOCS if many else DOC_LENGTHS)
+        if case.get("mask"):
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         loss = model(**batch).loss
         ref_loss = reference(**{k: v for k, v in batch.items()}, use_cache=False).loss
     loss.backward()
@@ -113,7 +134,13 @@ def _cases(sp: int, modes) -> list[dict]:
                        model=dict(sliding_window=3), many=True),
                   dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True),
                   dict(base, name=f"{tag}-mbart-decoder-inputs-from-labels", family="mbart",
-                       model_decoder_inputs=True)]
+                       model_decoder_inputs=True),
+                  # OPT does not keep documents apart: with an attention_mask its rows run as it runs them
+                  # (restarting learned positions, sharded), without one they are refused
+                  dict(base, name=f"{tag}-opt-restarting-positions-with-attention-mask", family="opt",
+                       flash_kwargs=False, mask=True)]
+        if mode == "ulysses":  # refused before sharding, whatever the mode
+            cases.append(dict(base, name=f"{tag}-opt-refused", family="opt", refused=True))
     return cases
 
 
@@ -127,6 +154,8 @@ def _cases_sp4() -> list[dict]:
 CASES = {1: _cases(1, [("ulysses", None)]),
          2: _cases(2, [("ulysses", None), ("ring", None)])
          + [dict(sp=2, name="sp2-ulysses-head-chunks-2-llama-many-documents", family="llama", many=True, head_chunks=2),
-            dict(sp=2, name="sp2-ulysses-head-chunks-2-marian", family="marian", head_chunks=2)],
+            dict(sp=2, name="sp2-ulysses-head-chunks-2-marian", family="marian", head_chunks=2),
+            # v's head width apart from q/k's (latent attention), attended document by document
+            dict(sp=2, name="sp2-ulysses-deepseek_v3-many-documents", family="deepseek_v3", many=True)],
          4: _cases_sp4()}
 

@@ -134,12 +134,12 @@ def _config(trainer, sp, dp, batch, accumulation, steps, checkpointing, evaluate
 
 def run_rl(trainer: str = "grpo", sp: int = 0, dp: int = 1, batch: int = 4, accumulation: int = 1, steps: int = 3,
            mode: str = "ulysses", peft: bool = False, checkpointing: bool = False, ref: str = "copy",
-           evaluate: bool = False, extra: dict | None = None, generate: str = "fixed") -> dict:
+           evaluate: bool = False, extra: dict | None = None, generate: str = "fixed", prompt_seed: int = 1) -> dict:
     """sp=0: plain TRL in one process with the global batch of `dp` replicas of `batch` rows (the
     reference). ref: "copy" (a deep copy of the patched policy), "separate" (an unpatched model),
     "path" (TRL loads it from the policy's saved checkpoint); the reference always loads it from there.
     generate: "fixed" (completions fixed by construction, the shuffle the identity) or "model" (the policy's
-    own `generate`, TRL's shuffle)."""
+    own `generate`, TRL's shuffle). prompt_seed: the training prompts' seed."""
     import trl
     from seqpar_hf.training import trl as sp_trl
     # an FSDP run earlier in this process (the `trainer` group) leaves ACCELERATE_USE_FSDP=true behind
@@ -153,8 +153,8 @@ def run_rl(trainer: str = "grpo", sp: int = 0, dp: int = 1, batch: int = 4, accu
         from peft import LoraConfig
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     recorder = Recorder()
-    data = dict(reward_funcs=[even_tokens, near_target], train_dataset=prompts(16, 1), eval_dataset=prompts(4, 2),
-                processing_class=tokenizer(), callbacks=[recorder], peft_config=peft_config)
+    data = dict(reward_funcs=[even_tokens, near_target], train_dataset=prompts(16, prompt_seed),
+                eval_dataset=prompts(4, 2), processing_class=tokenizer(), callbacks=[recorder], peft_config=peft_config)
     args = _config(trainer, sp, dp, batch, accumulation, steps, checkpointing, evaluate, extra, mode)
     if sp == 0:
         plain = trl.GRPOTrainer if trainer == "grpo" else trl.RLOOTrainer
@@ -180,6 +180,17 @@ def run_rl(trainer: str = "grpo", sp: int = 0, dp: int = 1, batch: int = 4, accu
 
 def run_many(configs: list[dict]) -> list[dict]:
     return [run_rl(**c) for c in configs]
+
+
+def divergences() -> dict:
+    """Ranks of an SP group given different group settings or different prompts: the same error on every rank,
+    at the trainer's construction or at the first generation batch, instead of training on a mix."""
+    import torch.distributed as dist
+
+    from .robustness import _attempt
+    rank = dist.get_rank()
+    return {"num-generations-differ": _attempt(lambda: run_rl(sp=2, steps=1, extra=dict(num_generations=2 + 2 * rank))),
+            "datasets-differ": _attempt(lambda: run_rl(sp=2, steps=1, prompt_seed=1 + rank))}
 
 
 # name -> (sequence-parallel run at sp=2 (and dp=2 in the 4-rank cases), the one-process reference).

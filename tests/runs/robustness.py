@@ -237,7 +237,7 @@ def tokenizer_case(results: dict) -> None:
 
 
 def bad_inputs():
-    from . import checkpoints
+    from . import checkpoints, divergence
     results = {}
     layout_cases(results)
     layout = seqpar_hf.ParallelLayout(sp_size=2)
@@ -259,6 +259,7 @@ def bad_inputs():
         seqpar_hf.patch_model(model, layout)
     results["unsupported-attention"] = _attempt(custom_attention)
     checkpoints.cases(results)
+    divergence.cases(results)
     timeout_case(results)
 
     def no_process_group():

@@ -186,3 +186,13 @@ SETUPS = {"sp2": (2, dict(sp=2, batch=8)), "sp2-ls": (2, dict(sp=2, batch=8, lab
           "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
           "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard")))}
 RESUME = {"sp2-tp1": dict(sp=2, tp=1), "sp1-tp2": dict(sp=1, tp=2), "sp2-fsdp": dict(sp=2, tp=1, fsdp=True)}
+# resumed at another layout from RESUME's checkpoint-3: optimizer state numbered by torch (tp 1) or by name (tp 2,
+# its groups split per device mesh) is converted by name
+RESUME_ACROSS = {"sp2-tp1->sp1-tp2": ("sp2-tp1", dict(sp=1, tp=2)), "sp1-tp2->sp2-tp1": ("sp1-tp2", dict(sp=2, tp=1))}
+
+
+def resume_across(resume_dir: str) -> dict:
+    """The last 3 steps of RESUME's runs, at the other layout (no checkpoints written)."""
+    return {name: run(sp=config["sp"], tp=config["tp"], steps=6, output_dir=f"{resume_dir}/{name}",
+                      extra=dict(save_strategy="no"), resume=f"{resume_dir}/{source}/checkpoint-3")
+            for name, (source, config) in RESUME_ACROSS.items()}
