@@ -141,9 +141,14 @@ def test_packed_rows_decided_by_behaviour():
     """Llama's mask function separates the documents of packed rows; OPT's and RoBERTa-as-decoder's are not
     given the positions, so their documents attend to each other: refused, for every kind of packed batch,
     naming the first module where documents meet. Under flash attention transformers separates documents
-    in one-row batches only."""
-    assert inspect_model(_model("llama", "LlamaForCausalLM"), split=True).packed_rows == {}
-    kinds = {"one packed row", "one packed row with flash-attention kwargs", "several packed rows"}
+    in one-row batches only. With its cache on, Llama's mask function does not look for packed rows either
+    (transformers separates documents only without a cache)."""
+    cached = inspect_model(_model("llama", "LlamaForCausalLM"), split=True).packed_rows
+    assert set(cached) == {"packed rows with use_cache on"}, cached
+    assert cached["packed rows with use_cache on"].startswith("LlamaForCausalLM lets model.layers.0.self_attn "
+                                                              "(LlamaAttention) attend across"), cached
+    kinds = {"one packed row", "one packed row with flash-attention kwargs", "several packed rows",
+             "packed rows with use_cache on"}
     for model_type, class_name, where in [("opt", "OPTForCausalLM", "model.decoder.layers.0.self_attn (OPTAttention)"),
                                           ("roberta", "RobertaForCausalLM",
                                            "roberta.encoder.layer.0.attention.self (RobertaSelfAttention)")]:
@@ -153,7 +158,27 @@ def test_packed_rows_decided_by_behaviour():
                    for kind, why in refused.items()), refused
     flash = _model("llama", "LlamaForCausalLM")
     flash.config._attn_implementation = "flash_attention_2"  # the dry run never calls it: no kernel needed
+    # flash attention separates a one-row batch by its positions, cache or not
     assert set(inspect_model(flash).packed_rows) == {"several packed rows"}
+
+
+def test_packed_rows_with_the_cache_on_follow_the_callers_use_cache():
+    """A plain loop on a model whose config.use_cache is True: the unpatched Llama lets the documents of a
+    packed row attend to each other (transformers looks for packed rows only without a cache), so the
+    patched one refuses, saying how to turn the cache off; with use_cache=False (the keyword or the
+    config, as the Trainer and TRL set it) both keep documents apart, exactly."""
+    from tests.helpers.models import build_model
+    positions = torch.cat([torch.arange(6), torch.arange(7)])[None]  # [1, 13]: two documents
+    batch = {"input_ids": torch.arange(3, 16)[None], "position_ids": positions, "labels": torch.arange(3, 16)[None]}
+    model = build_model("llama")
+    assert model.config.use_cache
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    with pytest.raises(ValueError, match=r"use_cache is on .* pass use_cache=False \(the Trainer and TRL do\)"):
+        model(**batch)
+    model(**batch, use_cache=False).loss.backward()  # accepted
+    model = build_model("llama")
+    model.config.use_cache = False
+    _parity_at_sp1(model, batch)
 
 
 def _gpt2(positions: int):
@@ -170,7 +195,7 @@ def test_a_short_position_table_gets_a_shorter_dry_run():
     positions no dry run fits: refused, naming the table."""
     from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
     family = inspect_model(_gpt2(16), split=True, ring=True)
-    assert family.packed_rows == {} and family.default_positions == "arange"
+    assert set(family.packed_rows) == {"packed rows with use_cache on"} and family.default_positions == "arange"
     _parity_at_sp1(_gpt2(16), {"input_ids": torch.arange(3, 19)[None], "labels": torch.arange(3, 19)[None]})
     gpt = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match=r"transformer.h.0.attn \(Attention\) computes attention itself"):

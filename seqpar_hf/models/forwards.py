@@ -102,7 +102,9 @@ class BackboneForward(_Wrapper):
         return_dict = kwargs.pop("return_dict", None)
         shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
         ctx = shard(layout, kwargs, state.pad_id, local_outputs=request is not None, keep_ids=state.keep_ids,
-                    default_positions=state.default_positions, packed=family.packed_rows)
+                    default_positions=state.default_positions, packed=family.packed_rows,
+                    use_cache=request.use_cache if request is not None else
+                    session is None and _use_cache(kwargs, family.backbone))
         if not self.announced:
             self.announced = True
             announce.first_forward(layout, {side: seq.plan for side, seq in ctx.seqs.items()})
@@ -131,6 +133,16 @@ class BackboneForward(_Wrapper):
             kwargs[CONTEXT_KWARG] = step
         with self.state.stepping(step):
             return self.original(**kwargs)
+
+
+def _use_cache(kwargs: dict, module) -> bool:
+    """Whether the caller's forward would build a cache: its keyword, else the config's default."""
+    given = kwargs.get("use_cache")
+    if given is None:
+        config = getattr(module, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        given = getattr(text, "use_cache", False)
+    return bool(given)
 
 
 def _gather_outputs(out, ctx: ForwardContext, everything: bool, last_only: bool = False):
@@ -203,10 +215,11 @@ class LMForward(_Wrapper):
         if family.kind == "seq2seq" and kwargs.get("decoder_input_ids") is None \
                 and kwargs.get("decoder_inputs_embeds") is None:
             kwargs["decoder_input_ids"] = labels_.decoder_inputs(model, labels, kwargs.get("decoder_position_ids"))
+        use_cache = _use_cache(kwargs, model)
         kwargs["use_cache"] = False  # no cache under SP: its lengths would be local
         plans = _output_plans(family.kind, layout, kwargs)  # the plans the backbone will use
         head = TiledHead.make(state, model, targets) if model.training else None
-        with state.handing(Request(checked=True)), (head or contextlib.nullcontext()):
+        with state.handing(Request(checked=True, use_cache=use_cache)), (head or contextlib.nullcontext()):
             out = self.original(**kwargs, return_dict=True)
             bypassed = state.request is not None  # the backbone forward takes the request
         if bypassed:

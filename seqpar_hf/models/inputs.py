@@ -97,17 +97,29 @@ def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: in
     return from_cu
 
 
+WITH_CACHE = "packed rows with use_cache on"
+
+
 def packed_kind(rows: int, flash_kwargs: bool) -> str:
     """The kind of a packed batch, as the patch-time probe tells them apart (models/packed_probe.py)."""
     return "several packed rows" if rows > 1 else \
         ("one packed row with flash-attention kwargs" if flash_kwargs else "one packed row")
 
 
-def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool) -> None:
-    """Refuse packed rows of a kind the unpatched model does not keep apart (models/packed_probe.py)."""
-    why = refused.get(packed_kind(doc.shape[0], flash_kwargs))
+def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool, use_cache: bool) -> None:
+    """Refuse packed rows of a kind the unpatched model does not keep apart (models/packed_probe.py). With
+    its cache on, transformers' mask functions skip the packed-row detection: the caller's use_cache (its
+    keyword, else the config's) decides which behaviour the unpatched model has."""
+    why = refused.get(packed_kind(doc.shape[0], flash_kwargs)) or (refused.get(WITH_CACHE) if use_cache else None)
     if why is None:
         return
+    if use_cache and why == refused.get(WITH_CACHE):
+        row, col = (int(i) for i in (torch.diff(doc, dim=-1) != 0).nonzero()[0])
+        raise ValueError(f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its "
+                         "position_ids restart, and no attention_mask is given) and use_cache is on (the "
+                         "model's config.use_cache, or the keyword). Sequence parallelism keeps documents apart, "
+                         "as the unpatched model does only without a cache: pass use_cache=False (the Trainer and "
+                         "TRL do), or set model.config.use_cache = False for training")
     row, col = (int(i) for i in (torch.diff(doc, dim=-1) != 0).nonzero()[0])
     raise ValueError(f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its position_ids "
                      "restart, and no attention_mask is given). Sequence parallelism keeps documents apart, so it "
@@ -146,12 +158,13 @@ def _tokens(plan: ShardPlan, kw: dict, ids_key: str, embeds_key: str, pad_id: in
 
 def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
                  keep_ids: bool = False, default_positions: str = "arange",
-                 packed: dict | None = None) -> ForwardContext:
+                 packed: dict | None = None, use_cache: bool = False) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
     `default_positions`: the rule the backbone makes its own positions by when given none
     (models/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
     refused for this model, and why (`ModelFamily.packed_rows`); checked on the full batch, so every
-    rank raises the same error before sharding."""
+    rank raises the same error before sharding; `use_cache`: whether the caller asked for the model's cache
+    (which decides how the unpatched model treats packed rows)."""
     b, s, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
     if layout.sizes.tp_size > 1 and kw.get("inputs_embeds") is not None:
         raise NotImplementedError("inputs_embeds with tensor parallelism: the vocabulary-parallel embedding is what "
@@ -170,7 +183,7 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s, mask is not None)
     if doc is not None and packed:
-        _check_packed(packed, doc, flash_kwargs)
+        _check_packed(packed, doc, flash_kwargs, use_cache)
     plan = shard_plan(layout, s, causal=True)
     full_pos, local_pos = _positions(plan, position_ids if own is None else own, device)
     ids = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
@@ -200,7 +213,7 @@ def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
 
 def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
                   keep_ids: bool = False, default_positions: str = "arange",
-                  packed: dict | None = None) -> ForwardContext:
+                  packed: dict | None = None, use_cache: bool = False) -> ForwardContext:
     """Shard an encoder-decoder backbone's inputs in place; return the forward's context (its position
     modules get their positions from hooks, models/positions.py: `default_positions` does not apply;
     nor does `packed`: packed seq2seq rows follow seqpar_hf's own convention, above)."""

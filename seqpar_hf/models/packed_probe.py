@@ -22,12 +22,15 @@ from ..attention.masks import MaskSpec, SeqMeta
 from ..parallel.sharding import ShardPlan
 from . import dryrun, probe
 from .attention_calls import call_pattern
-from .inputs import documents_from_positions, packed_kind
+from .inputs import WITH_CACHE, documents_from_positions, packed_kind
 from .probe_checks import culprits, tolerance
 
-# kind of packed batch -> (rows, with flash-attention kwargs): what DataCollatorWithFlattening gives (one
-# row, with or without cu_seq_lens / max_length), and several packed rows
-CASES = {packed_kind(rows, flash): (rows, flash) for rows, flash in ((1, False), (1, True), (2, False))}
+# kind of packed batch -> (rows, with flash-attention kwargs, use_cache): what DataCollatorWithFlattening gives
+# (one row, with or without cu_seq_lens / max_length), several packed rows, and one row with the model's cache
+# on (transformers' mask functions look for packed rows only without a cache: a plain loop on a model whose
+# config.use_cache is True; the Trainer and TRL turn it off)
+CASES = {packed_kind(rows, flash): (rows, flash, False) for rows, flash in ((1, False), (1, True), (2, False))}
+CASES[WITH_CACHE] = (1, False, True)
 FLASH_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -118,10 +121,12 @@ def check(pretrained, observed, records: dict, original: str | None) -> dict[str
     device = next((p.device for p in backbone.parameters() if p.device.type != "meta"), torch.device("cpu"))
     tol = tolerance(next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32))
     refused, patched = {}, {}
-    for case, (rows, flash) in CASES.items():
+    for case, (rows, flash, cache) in CASES.items():
+        if cache and "use_cache" not in params:
+            continue  # no cache to turn on
         kw = {k: v for k, v in _batch(pretrained, length, rows, flash, device).items() if takes(k)}
         if "use_cache" in params:
-            kw["use_cache"] = False  # as the patched LM forward calls it (transformers separates only without)
+            kw["use_cache"] = cache  # the patched model keeps documents apart either way
         doc = documents_from_positions(kw["position_ids"], always=True)
         makes = (_unpatched(original, rows), _patched(records, doc))
         unpatched = _forward(backbone, kw, names, length, original, makes[0], False, rows)

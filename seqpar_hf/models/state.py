@@ -38,6 +38,7 @@ class Request:
     outputs (the caller computes the loss on it); `checked`: the batch was already compared across ranks."""
 
     checked: bool = True
+    use_cache: bool = False  # the caller's, before the LM forward turned the cache off (packed rows depend on it)
 
 
 class AttentionSite:

@@ -74,6 +74,9 @@ def run_case(case: dict) -> dict:
                                       ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
     family = case["family"]
     model = _model(case)
+    # training as the Trainer and TRL run it: transformers keeps packed documents apart only without a cache
+    # (with it on, the patched model refuses packed rows: tests/test_probe.py)
+    model.config.use_cache = False
     reference = copy.deepcopy(model)
     seqpar_hf.patch_model(model, layout)
     many = case.get("many", False)
