@@ -26,7 +26,7 @@ from benchmarks.common import environment, table
 from benchmarks.peers import REFUSALS, deepspeed_attention, ours_attention
 from benchmarks.publish import output_options, publish
 from benchmarks.vs_deepspeed import timed
-from benchmarks.vs_peers import _fwd_bwd, calls_per_timing
+from benchmarks.vs_peers import calls_per_timing, fwd_bwd
 from seqpar_hf.attention import kernels
 from seqpar_hf.attention.heads import split_heads
 
@@ -66,11 +66,11 @@ def measure(case: dict, warmup: int, reps: int) -> dict:
     runs, refused = {"seqpar_hf": ours_attention()(group, case)}, {}
     try:
         runs["deepspeed"] = deepspeed_attention(group, case)
-        _fwd_bwd(runs["deepspeed"], q, k, v, grad)
+        fwd_bwd(runs["deepspeed"], q, k, v, grad)
     except REFUSALS as exc:
         runs.pop("deepspeed", None)
         refused["deepspeed"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-    calls = {name: (lambda a=a: _fwd_bwd(a, q, k, v, grad)) for name, a in runs.items()}
+    calls = {name: (lambda a=a: fwd_bwd(a, q, k, v, grad)) for name, a in runs.items()}
     calls["kernel"] = _kernel_only(case, n, rank)
     names, per_call = list(calls), calls_per_timing(case["seq_len"])
     times = {name: [] for name in names}

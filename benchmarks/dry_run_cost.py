@@ -1,4 +1,4 @@
-"""What the patch-time dry run (seqpar_hf/models/probe.py) costs, and whether it raises false alarms in
+"""What the patch-time dry run (seqpar_hf/models/proof/probe.py) costs, and whether it raises false alarms in
 half precision, over every class of the zoo (conformance/tiny.py), in one process.
 
     python -m benchmarks.dry_run_cost                 # -> benchmarks/results/dry_run_cost.json
@@ -36,7 +36,7 @@ def _time(fn, repeats: int = 3) -> float:
 def measure(classes=None) -> dict:
     import torch
     from conformance.tiny import Unbuildable, build_tiny, mapping_classes
-    from seqpar_hf.models.inspection import inspect_model
+    from seqpar_hf.models.proof.inspection import inspect_model
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     rows, seen = {}, set()

@@ -2,7 +2,7 @@
 generates 64 tokens in a per-rank budget, and what a decoding step costs.
 
 One rank of an sp-way group runs in one process joined to a single-process "fake" process group of world
-size sp (torch.testing._internal.distributed.fake_pg, as gpu_rank.py and longest_sequence.py): sizes and
+size sp (benchmarks/fake_group.py, as gpu_rank.py and longest_sequence.py): sizes and
 memory are exact, the tokens are not (collectives move nothing; received buffers are zeroed). sp = 1 is
 the unpatched model. fp32, batch 1, no padding, greedy.
 
@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 import seqpar_hf
+from benchmarks import fake_group
 from benchmarks.common import MODELS, build_model, environment, fmt_bytes, records_of, table
-from benchmarks.gpu_rank import init_fake_group, zero_received
 from benchmarks.instruments import CollectiveTap
 from benchmarks.longest_sequence import CONFIG, Timeline, fit, longest
 from benchmarks.publish import json_path, output_options, publish
-from seqpar_hf.models import generation
-from seqpar_hf.models.state import state_of
+from seqpar_hf.models.forward.state import state_of
+from seqpar_hf.models.generation.generate import generate as generate_sp
 
 NEW_TOKENS = 64
 
@@ -56,8 +56,8 @@ def model_for(spec_name: str, length: int, sp: int, mode: str = "ulysses", force
     spec = MODELS[spec_name]
     model = build_model(spec, max_len=length + NEW_TOKENS + 8).eval()
     if sp > 1 or force:
-        init_fake_group(sp)
-        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=sp, mode=mode), check_inputs=False)
+        fake_group.join(sp)
+        seqpar_hf.patch_model(model, fake_group.layout(sp_size=sp, mode=mode), check_inputs=False)
     return model, spec
 
 
@@ -65,7 +65,7 @@ def run_generate(model, inputs: dict, new: int, force: bool = False):
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1, return_dict_in_generate=True)
     state = state_of(model)
     if force:  # generate under SP over a group of one (the wrapper would run the plain model)
-        return generation.generate(state, model.generate.original, {**inputs, **kwargs})
+        return generate_sp(state, model.generate.original, {**inputs, **kwargs})
     return model.generate(**inputs, **kwargs)
 
 
@@ -82,7 +82,7 @@ def sharded_bytes(sp: int, source: int, prompt: int) -> list[dict]:
     hook = encoder.register_forward_hook(lambda m, a, k, out: seen.__setitem__("states", out.last_hidden_state),
                                          with_kwargs=True)
     received = []
-    tap = CollectiveTap(lambda name, a: (zero_received(name, a), received.append(_gathered(name, a))))
+    tap = CollectiveTap(lambda name, a: (fake_group.zero_received(name, a), received.append(_gathered(name, a))))
     with tap:
         out = run_generate(model, tokens(source, spec.vocab), NEW_TOKENS)
     hook.remove()
@@ -138,14 +138,14 @@ def longest_prompt(sp: int, locals_: list[int], budget: float) -> dict:
     points = []
     model = llama_44m(locals_[-1] * sp + NEW_TOKENS + 8)
     if sp > 1:
-        init_fake_group(sp)
-        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=sp), check_inputs=False)
+        fake_group.join(sp)
+        seqpar_hf.patch_model(model, fake_group.layout(sp_size=sp), check_inputs=False)
     for local in locals_:
         inputs = tokens(local * sp, CONFIG["vocab_size"])
         gc.collect()
         timeline = Timeline()
         timeline.tracker.track_external(model)
-        with CollectiveTap(zero_received), timeline.tracker:
+        with CollectiveTap(fake_group.zero_received), timeline.tracker:
             _Root(model, inputs)()  # MemTracker follows a root module called once, the model many times in it
         snapshot = next(iter(timeline.tracker.get_tracker_snapshot("peak").values()))
         total = int(next(v for k, v in snapshot.items() if str(getattr(k, "value", k)).lower() == "total"))

@@ -24,8 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar_hf
+from benchmarks import fake_group
 from benchmarks.common import MODELS, build_model, environment, make_batch, table
-from benchmarks.gpu_rank import _time, init_fake_group, try_step, zero_received
+from benchmarks.gpu_rank import timed, try_step
 from benchmarks.instruments import CollectiveTap
 from benchmarks.publish import output_options, publish
 from seqpar_hf.attention.heads import chunk_plan, max_chunks
@@ -50,7 +51,7 @@ def kernel_times(device, dtype, seq_len: int, heads: int, kv_heads: int, head_di
                                                    enable_gqa=(hi - lo) != ku.shape[1])
                 o.backward(grad[:, lo:hi])
         out.append({"part": "kernel", "sp": sp, "seq_len": seq_len, "heads": h, "kv_heads": g, "chunks": c,
-                    "time_s": _time(step, device, reps)})
+                    "time_s": timed(step, device, reps)})
     for r in out:
         r["ratio"] = r["time_s"] / out[0]["time_s"]
     return out
@@ -62,11 +63,11 @@ def step_times(device, dtype, args) -> list[dict]:
     model = build_model(spec, max_len=args.step_len, dtype=dtype, device=device)
     batch = make_batch(spec, args.step_len, device=device)
     records = []
-    with CollectiveTap(zero_received):
+    with CollectiveTap(fake_group.zero_received):
         for sp in args.sp:
-            init_fake_group(sp)
+            fake_group.join(sp)
             for c in (c for c in args.chunks if c <= max_chunks(spec.heads, sp)):
-                layout = seqpar_hf.ParallelLayout(sp, head_chunks=c)
+                layout = fake_group.layout(sp, head_chunks=c)
                 seqpar_hf.patch_model(model, layout, check_inputs=False)
                 r = try_step(model, batch, device, args.reps, cap_s=1e9)
                 seqpar_hf.unpatch_model(model)

@@ -2,7 +2,7 @@
 longest sequence that fits, per sp, with gradient checkpointing off and on (bf16, SDPA flash).
 
 The other sp-1 ranks are simulated: the process joins a single-process "fake" process group of
-world size sp (torch.testing._internal.distributed.fake_pg), so `ParallelLayout(sp)` sees sp ranks and
+world size sp (benchmarks/fake_group.py), so `ParallelLayout(sp)` sees sp ranks and
 every collective returns at once without moving data (received buffers are zero-filled here, as a
 stand-in for the write a real collective does and to keep garbage out of the kernels). Only memory and
 compute time are meaningful: the step time EXCLUDES communication (see comm_volume.py for the bytes;
@@ -39,34 +39,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import seqpar_hf
+from benchmarks import fake_group
 from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing,
                                environment, fmt_bytes, make_batch, summary, table, write_json)
 from benchmarks.instruments import CollectiveTap
 from benchmarks.publish import json_path, output_options, publish
-
-
-# ---------------------------------------------------------------------------------------------
-# the simulated group
-
-
-def init_fake_group(sp: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
-
-
-def zero_received(name: str, a: dict) -> None:
-    """Before a fake collective: zero what it would have written."""
-    if name == "all_to_all_single":
-        a["output"].zero_()
-    elif name == "batch_isend_irecv":
-        for op in a["p2p_op_list"]:
-            if op.op.__name__ == "irecv":
-                op.tensor.zero_()
-    elif name in ("all_gather_into_tensor", "all_gather_single"):
-        a["output_tensor"].zero_()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +65,7 @@ def train_flops(spec, seq_len: int) -> float:
     return 3 * (2 * linear + attention)
 
 
-def _time(fn, device, reps: int) -> float:
+def timed(fn, device, reps: int) -> float:
     fn()  # warm-up
     sync(device)
     start = time.perf_counter()
@@ -105,13 +82,13 @@ def sync(device):
 
 def kernel_rates(device, dtype, n: int, s: int, heads: int = 8, head_dim: int = 64) -> list[dict]:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    t = _time(lambda: a @ b, device, 10)
+    t = timed(lambda: a @ b, device, 10)
     out = [{"part": "kernel", "kernel": f"matmul {n}x{n}x{n}", "tflops": 2 * n ** 3 / t / 1e12, "time_s": t}]
     q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     for causal in (False, True):
         def step():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(torch.ones_like(q))
-        t = _time(step, device, 5)
+        t = timed(step, device, 5)
         flops = 3.5 * 4 * s * s * heads * head_dim * (0.5 if causal else 1.0)
         out.append({"part": "kernel", "kernel": f"sdpa fwd+bwd s={s} h={heads} d={head_dim}"
                     + (" causal" if causal else ""), "tflops": flops / t / 1e12, "time_s": t})
@@ -210,11 +187,11 @@ def run(args, device, dtype, save=None) -> list[dict]:
     impls = [("unpatched", 1)] + [(mode, sp) for sp in args.sp for mode in args.modes
                                  if not (mode == "ring" and sp == 1) and not (mode == "hybrid" and sp < 4)]
     sweeps_left = len(args.checkpointing) * len(impls) * len(models)
-    with sdpa_kernel(backends), CollectiveTap(zero_received):
+    with sdpa_kernel(backends), CollectiveTap(fake_group.zero_received):
         for ckpt in args.checkpointing:
             for mode, sp in impls:
-                init_fake_group(sp)
-                layout = None if mode == "unpatched" else seqpar_hf.ParallelLayout(
+                fake_group.join(sp)
+                layout = None if mode == "unpatched" else fake_group.layout(
                     sp, mode=mode, ring_size=2 if mode == "hybrid" else None)
                 for name, model in models.items():
                     (enable_checkpointing if ckpt else disable_checkpointing)(model)

@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks import fake_group
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FIGURES = Path(__file__).resolve().parent / "figures"
 
@@ -63,12 +65,10 @@ OPTIONS = {"plain": dict(checkpointing=False, tiled=False), "tiled loss": dict(c
 
 
 def init_group(sp: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
     if sp > 1:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+        fake_group.join(sp)
+    elif dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def build(sp: int, checkpointing: bool, tiled: bool, device: str):
@@ -84,7 +84,7 @@ def build(sp: int, checkpointing: bool, tiled: bool, device: str):
     model.to(device)  # transformers 5.17 builds on the CPU whatever the default device
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    layout = seqpar_hf.ParallelLayout(sp_size=sp)
+    layout = fake_group.layout(sp_size=sp)
     # check_inputs off: its all-gather would compare the fake group's zeros
     seqpar_hf.patch_model(model, layout, check_inputs=False, tiled_loss=tiled)
     if sp > 1:

@@ -177,24 +177,24 @@ def ring_hops(seq_len: int, heads: int, head_dim: int, reps: int) -> dict:
 
     def step():
         x = [t.clone().requires_grad_() for t in (q, k, v)]
-        with Blocked(ring_mod._Ring, "wait") as fwd:
+        with Blocked(ring_mod.Ring, "wait") as fwd:
             out = ring_mod.ring_attention(*x, rplan, head_dim ** -0.5)
-        with Blocked(ring_mod._Ring, "wait") as bwd:
+        with Blocked(ring_mod.Ring, "wait") as bwd:
             out.backward(grad)
         return {"forward": fwd.seconds, "backward": bwd.seconds}
 
     kv, acc = torch.stack([k, v]), torch.zeros((2, *k.shape))
-    ring = ring_mod._Ring(rplan)
+    ring = ring_mod.Ring(rplan)
 
     def alone():  # the same transfers with nothing between start and wait
         start = time.perf_counter()
         for _ in range(n - 1):
-            ring_mod._Ring.wait(ring.start(kv))
+            ring_mod.Ring.wait(ring.start(kv))
         mid = time.perf_counter()
         for _ in range(n - 1):
-            ring_mod._Ring.wait(ring.start(kv))
+            ring_mod.Ring.wait(ring.start(kv))
         for _ in range(n):
-            ring_mod._Ring.wait(ring.start(acc))
+            ring_mod.Ring.wait(ring.start(acc))
         return {"forward": mid - start, "backward": time.perf_counter() - mid}
 
     times = _rounds({"ring": step, "alone": alone}, reps)

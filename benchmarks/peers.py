@@ -33,7 +33,7 @@ from benchmarks.common import attention_modules
 from benchmarks.vs_deepspeed import ds_local_attention, load_deepspeed, use_deepspeed_attention
 from seqpar_hf.attention import kernels
 from seqpar_hf.attention.ulysses import auto_chunks, ulysses_attention, ulysses_attention_separate
-from seqpar_hf.models.state import site_of
+from seqpar_hf.models.forward.sites import site_of
 
 INSTALL = {"deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8",
            "ringmaster": "pip install axolotl-ringmaster==0.2.7"}

@@ -37,7 +37,7 @@ from benchmarks.common import (MODELS, attention_modules, build_model, environme
 from benchmarks.publish import output_options, publish
 from seqpar_hf.attention import kernels
 from seqpar_hf.attention.ulysses import ulysses_attention
-from seqpar_hf.models.state import site_of  # the per-module AttentionSite; swapped in (b)
+from seqpar_hf.models.forward.sites import site_of  # the per-module AttentionSite; swapped in (b)
 
 
 def load_deepspeed():

@@ -105,7 +105,7 @@ def race(runs: dict, warmup: int, reps: int, diff=None, calls: int = 1) -> dict:
             "max_abs_diff": worst if diff else None}
 
 
-def _fwd_bwd(attend, q, k, v, grad):
+def fwd_bwd(attend, q, k, v, grad):
     out = attend(q, k, v)
     out.backward(grad)
     grads = [t.grad for t in (q, k, v)]
@@ -148,7 +148,7 @@ def attention_case(group, case: dict, warmup: int, reps: int, names) -> dict:
 
     def setup(impl):
         attend = impl.attention(group, case)
-        _fwd_bwd(attend, q, k, v, grad)  # a first call: refusals show here
+        fwd_bwd(attend, q, k, v, grad)  # a first call: refusals show here
         return attend
 
     def step(attend, meter):
@@ -163,7 +163,7 @@ def attention_case(group, case: dict, warmup: int, reps: int, names) -> dict:
     return {"part": "attention", "sp": n, **{k: v for k, v in case.items() if k != "scale"}, "refused": refused,
             "calls_per_timing": calls,
             "collectives": {name: _counted(functools.partial(step, a), CommMeter()) for name, a in attends.items()},
-            **race({name: functools.partial(_fwd_bwd, a, q, k, v, grad) for name, a in attends.items()},
+            **race({name: functools.partial(fwd_bwd, a, q, k, v, grad) for name, a in attends.items()},
                    warmup, reps, _max_diff, calls)}
 
 

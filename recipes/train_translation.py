@@ -3,21 +3,22 @@
 Launch (from the repository root):
 
     # 1 process, the defaults (packed rows, bf16 where the CPU has it, the learning rate decayed over a
-    # 22-minute budget): 23.0 minutes on a 2-core CPU, test BLEU 49.64 (beam 4)
-    accelerate launch recipes/train_translation.py
+    # 22-minute budget): 23.0 minutes on a 2-core CPU with AVX512-BF16, test BLEU 49.64 (beam 4)
+    accelerate launch recipes/train_translation.py --output_dir runs/default
 
     # 2 CPU processes, one SP group of 2 (each rank holds half of every sequence): 23.3 minutes, test BLEU 48.80
-    accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py --sp_size 2
+    accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py --sp_size 2 \
+        --output_dir runs/sp2
 
     # document-level translation: 32 consecutive pairs joined into one long document (attention across
     # them, numbered sentence markers), after a sentence-level warm start; test document BLEU 31.52 in
     # 45.9 minutes from a fresh clone (34.82 in 44.6 minutes on a faster hour)
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
         --sp_size 2 --document_sentences 32 --max_train_minutes 41 --sentence_warmup_minutes 8 \
-        --mixed_documents false
+        --mixed_documents false --output_dir runs/documents
 
     # BLEU against training minutes of finished runs (each writes <output_dir>/run_summary.json)
-    python recipes/plot_bleu.py runs/translation --out bleu.png
+    python recipes/plot_bleu.py runs/default runs/sp2 runs/documents --out translation_bleu.png
 
     # 8 GPUs: SP groups of 4 (Ulysses) x 2 data-parallel replicas, bf16, rows of 4096 tokens
     accelerate launch --config_file recipes/accelerate_8gpu.yaml recipes/train_translation.py \
@@ -99,11 +100,11 @@ class DataArguments:
                 "both sides (the warm-start sentences start with a random one), so the decoder writing sentence k "
                 "finds source sentence k by an exact token match instead of counting boundaries over hundreds of "
                 "tokens; generation writes the markers in order, one per source sentence. Dropped from the output "
-                "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without (README)."})
+                "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without (recipes/README.md)."})
     sentence_separator: bool = field(default=False, metadata={
         "help": "With --document_sentences N: one <sep> token between a document's sentences on both sides instead "
                 "of the numbered markers (needs --sentence_markers false); not better than nothing in the one run "
-                "measured (README)."})
+                "measured (recipes/README.md)."})
     sentence_warmup_minutes: float = field(default=-1.0, metadata={
         "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
                 "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
@@ -394,7 +395,7 @@ def main(argv=None):
                    "wall_minutes": round((time.time() - started) / 60, 2), "sp_size": training_args.sp_size,
                    "document_sentences": docs, "sentence_warmup_minutes": warm,
                    "sentence_warmup_steps": getattr(trainer, "train_steps_before", 0), "precision": "bf16" if training_args.bf16 else "fp32"}
-        # what the README's demo table and figure are drawn from (recipes/plot_bleu.py)
+        # what recipes/README.md's demo table and figure are drawn from (recipes/plot_bleu.py)
         Path(training_args.output_dir, "run_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return output.metrics
 

@@ -26,7 +26,7 @@ def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
 
 def outer_saved_tensors_hooks():
     """(pack, unpack) of the saved-tensors hooks active now (activation checkpointing's, a profiler's),
-    or None. The TP re-gather (`models/regather.py`) installs hooks of its own inside a block and hands
+    or None. The TP re-gather (`models/tp/regather.py`) installs hooks of its own inside a block and hands
     every tensor it does not handle to these; torch has no public getter."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 

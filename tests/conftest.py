@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 
 # Tier 2 (`multiprocess`): tests that start processes, through the `spawned` fixture (gloo groups) or
 # themselves (torchrun, accelerate launch, one-process references). Tier 1 is the rest:
-# `python -m pytest -m "not multiprocess"` (no process group, under a minute).
+# `python -m pytest -m "not multiprocess"` (no process group, about 2-3 CPU-minutes).
 SPAWNING_FIXTURES = ("spawned", "recipe_run", "reference", "plain_evals", "zoo_rows")
-SPAWNING_TESTS = ("test_exception_on_one_rank_ends_both_processes_within_a_minute",)
+SPAWNING_TESTS = ("test_exception_on_one_rank_ends_both_processes_within_a_minute", "test_recipe_end_to_end")
 
 
 def pytest_collection_modifyitems(config, items):

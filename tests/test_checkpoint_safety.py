@@ -237,15 +237,15 @@ def test_optimizer_state_that_cannot_move_exactly_is_refused():
     saved = {"state": {}, "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": ["a", "b"]},
                                            {"lr": 1e-3, "weight_decay": 0.0, "params": ["c"]}]}
     args = ("ckpt/optimizer.pt", dict(sp_size=2, tp_size=1, dp_size=1), dict(sp_size=1, tp_size=2, dp_size=1))
-    assert resume._sources(saved, [["a"], ["b"], ["c"]], *args) == [0, 0, 1]
+    assert resume.group_sources(saved, [["a"], ["b"], ["c"]], *args) == [0, 0, 1]
     with pytest.raises(ValueError, match=r"^ckpt/optimizer.pt was written at sp_size=2, tp_size=1, dp_size=1 and this "
                                          r"run is at sp_size=1, tp_size=2, dp_size=1: it holds parameter groups \[0, 1\] "
                                          r"with different settings .* that this run puts in one group\. Resume at the "
                                          r"layout it was written at \(sp_size=2, tp_size=1, dp_size=1\) or from a "
                                          "checkpoint written at this one$"):
-        resume._sources(saved, [["a", "c"], ["b"]], *args)
+        resume.group_sources(saved, [["a", "c"], ["b"]], *args)
     with pytest.raises(ValueError, match=r"it has no state for 1 parameter\(s\) of this model \(\['d'\]\): it was "
                                          "written for another model"):
-        resume._sources(saved, [["a", "b"], ["c", "d"]], *args)
+        resume.group_sources(saved, [["a", "b"], ["c", "d"]], *args)
     with pytest.raises(ValueError, match="it comes with a scheduler whose base_lrs has 3 entries for 2 groups"):
-        resume._regroup_scheduler({"base_lrs": [1.0, 1.0, 1.0]}, [0, 0, 1], 2, *args)
+        resume.regroup_scheduler({"base_lrs": [1.0, 1.0, 1.0]}, [0, 0, 1], 2, *args)

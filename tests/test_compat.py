@@ -145,14 +145,14 @@ def test_missing_kernel_falls_back_to_the_math_with_one_warning(monkeypatch):
 def test_tied_embedding_plan_entry_of_transformers_5_17_is_ours_to_parallelise():
     """transformers 5.17 adds "embed_tokens": "embedding_rowwise" to the tp plan of tied-embedding models;
     seqpar_hf parallelises the embedding itself (vocab-parallel), so the entry is skipped, not refused."""
-    from seqpar_hf.models.inspection import inspect_model
-    from seqpar_hf.models.tensor_parallel import _decoder_only_plan
+    from seqpar_hf.models.proof.inspection import inspect_model
+    from seqpar_hf.models.tp.tensor_parallel import decoder_only_plan
 
     from .helpers.models import build_model
 
     model = build_model("llama")
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
-    plan = _decoder_only_plan(inspect_model(model), None)
+    plan = decoder_only_plan(inspect_model(model), None)
     assert "embed_tokens" not in plan and "layers.*.self_attn.q_proj" in plan
 
 

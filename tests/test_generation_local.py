@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar_hf.attention import decode, kernels
-from seqpar_hf.models.sharded_cache import SequenceShardedCache
+from seqpar_hf.models.generation.sharded_cache import SequenceShardedCache
 from seqpar_hf.training.generation import use_sp
 
 from .helpers.models import relative_error
@@ -89,7 +89,7 @@ def test_sp_generate_argument_is_validated(tmp_path):
 # one decoding step failed in them (rank 0 a rotary shape error, rank 1 a gloo abort)
 @pytest.mark.parametrize("enabled,plain_depth", [(True, 0), (False, 0), (True, 1)])
 def test_generate_on_a_tensor_parallel_model_is_refused(enabled, plain_depth):
-    from seqpar_hf.models.generation import GenerateSP
+    from seqpar_hf.models.generation.generate import GenerateSP
 
     layout = SimpleNamespace(enabled=enabled, sizes=SimpleNamespace(tp_size=2))
     state = SimpleNamespace(detached=False, decoding=None, plain_depth=plain_depth, layout=layout)
@@ -104,7 +104,7 @@ def test_generate_on_a_tensor_parallel_model_is_refused(enabled, plain_depth):
 def test_a_kv_shared_layer_reads_the_shard_its_keys_come_from():
     """Gemma 3n: a layer that stores no K/V attends over the tensors another layer's `update` returned this
     step; the periodic eviction runs at the next update, so those tensors stay that layer's shard meanwhile."""
-    from seqpar_hf.models.sharded_cache import EVICT_EVERY
+    from seqpar_hf.models.generation.sharded_cache import EVICT_EVERY
 
     cache = SequenceShardedCache(sp_size=2, sp_rank=0)
     cache.begin_prefill(torch.tensor([0, 1, 2]), None, length=6)
@@ -138,7 +138,7 @@ def test_generation_settings_encode_canonically():
 
     from transformers import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList, SuppressTokensLogitsProcessor
 
-    from seqpar_hf.models.generation_check import _settings_text
+    from seqpar_hf.models.generation.generation_check import settings_text
 
     def settings(bias, start, banned=(3, 1, 2), tensor=(5, 6)):
         return {"sequence_bias": bias, "generation_config.sequence_bias": bias, "bad_words_ids": [[5, 6]],
@@ -147,8 +147,8 @@ def test_generation_settings_encode_canonically():
                 "stopping_criteria": StoppingCriteriaList([MaxTimeCriteria(60.0, initial_timestamp=start)]),
                 "prefix_allowed_tokens_fn": _allowed_tokens}
 
-    one = _settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0))
-    assert one == _settings_text(settings({(7, 8): -3.0, (11,): 5.0}, 2.0, banned=(2, 1, 3)))
+    one = settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0))
+    assert one == settings_text(settings({(7, 8): -3.0, (11,): 5.0}, 2.0, banned=(2, 1, 3)))
     assert json.loads(one)["sequence_bias"] == {"pairs": [[[11], 5.0], [[7, 8], -3.0]]}  # by the keys' text
-    assert one != _settings_text(settings({(11,): 4.0, (7, 8): -3.0}, 1.0))
-    assert one != _settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0, tensor=(5, 7)))
+    assert one != settings_text(settings({(11,): 4.0, (7, 8): -3.0}, 1.0))
+    assert one != settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0, tensor=(5, 7)))

@@ -61,6 +61,20 @@ def test_sp2_without_process_group_says_how_to_fix():
         ParallelLayout(sp_size=2)
 
 
+def test_mesh_device_type_from_the_backend_or_given(tmp_path):
+    """The mesh's device type: "cpu" on gloo, or the one given (a backend that runs on both, e.g. the
+    benchmarks' fake group); anything else is refused by name. A gloo group of one process."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert ParallelLayout(sp_size=1).device_type == "cpu"
+        assert ParallelLayout(sp_size=1, device_type="cpu").mesh.device_type == "cpu"
+        with pytest.raises(ValueError, match="device_type='gpu': pass 'cpu' or 'cuda'"):
+            ParallelLayout(sp_size=1, device_type="gpu")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("length", [1, 2, 7, 8, 13, 16])
 @pytest.mark.parametrize("sp,ring,zigzag", [(2, 1, False), (4, 1, False), (2, 2, True), (4, 4, True), (4, 2, True),
                                            (4, 2, False)])

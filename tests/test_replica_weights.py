@@ -1,12 +1,13 @@
-"""Tier 1: the weights' checksum that every forward compares across its replica (seqpar_hf/models/replica_weights.py):
-equal for equal weights, different when a trained parameter moves, and compared only where ranks hold the same
-shards. The gloo cases (a plain Trainer, per-rank learning rates, a TP norm) are in tests/test_robustness_gloo.py."""
+"""Tier 1: the weights' checksum that every forward compares across its replica
+(seqpar_hf/models/forward/replica_weights.py): equal for equal weights, different when a trained parameter moves,
+and compared only where ranks hold the same shards. The gloo cases (a plain Trainer, per-rank learning rates, a TP
+norm) are in tests/test_robustness_gloo.py."""
 
 from __future__ import annotations
 
 import torch
 
-from seqpar_hf.models import replica_weights
+from seqpar_hf.models.forward import replica_weights
 
 from .helpers.models import build_model
 

@@ -11,7 +11,7 @@ import torch
 import seqpar_hf
 
 from .helpers.models import VOCAB, build_model, make_batch, relative_error
-from .runs.parity import _grad_errors
+from .runs.parity import grad_errors
 
 TOL = 1e-5
 
@@ -41,7 +41,7 @@ def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing):
     out.loss.backward()
     expected.backward()
     assert relative_error(out.loss.detach(), expected.detach()) < TOL
-    err, name = _grad_errors(model, reference)
+    err, name = grad_errors(model, reference)
     assert err < TOL, name
 
 

@@ -1,4 +1,4 @@
-"""Tier 1: the full-batch validation (seqpar_hf/models/validate.py) raises what the unpatched model raises,
+"""Tier 1: the full-batch validation (seqpar_hf/models/forward/validate.py) raises what the unpatched model raises,
 with a message naming the tensor and the sizes; where the unpatched model silently accepts a bad batch
 (a padding mask shorter than the sequence, shift_labels of another length), a ValueError. No process
 group: `validate.check` is a function of the model and the batch. The same batches run under sp=2 in
@@ -11,8 +11,8 @@ import functools
 import pytest
 import torch
 
-from seqpar_hf.models import validate
-from seqpar_hf.models.inspection import inspect_model
+from seqpar_hf.models.forward import validate
+from seqpar_hf.models.proof.inspection import inspect_model
 
 from .runs.robustness import build, validation_batches
 

@@ -107,7 +107,7 @@ class RingPlan:
         return cls(group, tuple(ranks), index, blocks)
 
 
-class _Ring:
+class Ring:
     """Point-to-point exchange with the ring neighbours."""
 
     def __init__(self, plan: RingPlan):
@@ -152,7 +152,7 @@ def _reduce(dx: torch.Tensor, kv_index, heads_kv: int) -> torch.Tensor:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, scale: float, kv_index):
-        n, ring = len(plan.ranks), _Ring(plan)
+        n, ring = len(plan.ranks), Ring(plan)
         b, h, s_q, _ = q.shape
         acc_dtype = accumulation_dtype(q.dtype)
         out = torch.zeros(b, h, s_q, v.shape[-1], dtype=acc_dtype, device=q.device)
@@ -171,7 +171,7 @@ class RingAttention(torch.autograd.Function):
                     l = l.masked_fill(~block.valid_rows, float("-inf"))
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
             if pending is not None:
-                kv = _Ring.wait(pending)
+                kv = Ring.wait(pending)
         # laid out as [b, s, h, d] in memory: the caller's transpose to [b, s, h, d] is then free, so the
         # output projection's saved input shares this storage instead of keeping a second copy
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
@@ -184,7 +184,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale, kv_index = ctx.plan, ctx.scale, ctx.kv_index
-        n, ring = len(plan.ranks), _Ring(plan)
+        n, ring = len(plan.ranks), Ring(plan)
         heads_kv = k.shape[1]
         dout = dout.contiguous()
         acc_dtype = accumulation_dtype(q.dtype)
@@ -205,15 +205,15 @@ class RingAttention(torch.autograd.Function):
             # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
             # that transfer in flight while the kernel runs (the same additions, in the same order)
             acc = torch.zeros(k.numel() + v.numel(), dtype=acc_dtype, device=k.device) if carried is None \
-                else _Ring.wait(carried)
+                else Ring.wait(carried)
             if block is not None:
                 dk_acc, dv_acc = _unpack(acc, k.shape, v.shape)  # views: the sums land in `acc`
                 dk_acc[:, :, cols] += _reduce(dk_b.to(acc_dtype), kv_index, heads_kv)
                 dv_acc[:, :, cols] += _reduce(dv_b.to(acc_dtype), kv_index, heads_kv)
             carried = ring.start(acc)  # to the next rank, who holds this block at the next step
             if pending_kv is not None:
-                kv = _Ring.wait(pending_kv)
-        dk, dv = _unpack(_Ring.wait(carried), k.shape, v.shape)  # our own block's gradient, home after a full turn
+                kv = Ring.wait(pending_kv)
+        dk, dv = _unpack(Ring.wait(carried), k.shape, v.shape)  # our own block's gradient, home after a full turn
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -21,15 +21,16 @@ from ..attention.ulysses import split_heads
 from ..parallel.comm import all_gather_cat
 from ..parallel import announce, auto
 from ..parallel.layout import ParallelLayout
-from . import positions, tensor_parallel, tp_checks
-from .attention_calls import LocalSite
 from .families import ModelFamily
-from .forwards import BackboneForward, LMForward, _Wrapper
-from .generation import GenerateSP
-from .inspection import inspect_model
-from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
+from .forward import positions
+from .forward.forwards import BackboneForward, LMForward, Wrapper
+from .forward.loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
+from .forward.sites import AttentionSite, LocalSite, set_site
+from .forward.state import ATTN_NAME, PatchState, TiledLoss, attach, detach, state_of
+from .generation.generate import GenerateSP
+from .proof.inspection import inspect_model
 from .registry import register
-from .state import ATTN_NAME, AttentionSite, PatchState, TiledLoss, attach, detach, set_site, state_of
+from .tp import tensor_parallel, tp_checks
 
 
 def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_loss: bool = True,
@@ -105,7 +106,7 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     pretrained.set_attn_implementation(ATTN_NAME)
     if tp > 1:
         tensor_parallel.parallelize(family, layout)
-        tp_checks.complete(family, layout, tensor_parallel._AllReduceGrad)
+        tp_checks.complete(family, layout, tensor_parallel.AllReduceGrad)
     announce.layout_applied(layout, model)
     return model
 
@@ -130,7 +131,7 @@ def unpatch_model(model):
         set_site(site.module, None)
     for obj, name, had, previous in reversed(state.replaced):
         current = obj.__dict__.get(name)
-        if isinstance(current, _Wrapper) and current.state is state:
+        if isinstance(current, Wrapper) and current.state is state:
             if had:
                 setattr(obj, name, previous)
             else:
@@ -202,7 +203,7 @@ def original_attn_implementation(model) -> str | None:
 
 def _check_tiled_head(family: ModelFamily, tiled_loss) -> None:
     """The tiled loss reproduces what the forward does after the LM head only where the dry run proved it
-    (models/head.py); otherwise it is refused (True) or not used (auto, with a warning)."""
+    (models/forward/head.py); otherwise it is refused (True) or not used (auto, with a warning)."""
     if not family.has_lm_head or family.head_post is not None or tiled_loss is False:
         return
     why = (f"{type(family.pretrained).__name__}'s forward post-processes the LM head's output in a way the tiled loss "

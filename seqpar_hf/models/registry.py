@@ -1,5 +1,5 @@
 """What transformers calls: the attention function and the mask function registered under "seqpar_hf"
-(and under "seqpar_hf_decode", selected while `generate` runs under SP: `models.decoding`).
+(and under "seqpar_hf_decode", selected while `generate` runs under SP: `generation/decoding.py`).
 
 Registering a name is process-wide, but only a patched model's own copy of its config selects it, so
 every other model keeps its attention. The attention function finds its module's `AttentionSite` and
@@ -16,10 +16,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.mask_patterns import read_function
-from . import decoding
-from .attention_calls import resolve
-from .context import CONTEXT_KWARG, DecodeStep
-from .state import ATTN_DECODE_NAME, ATTN_NAME, site_of
+from .forward.context import CONTEXT_KWARG
+from .forward.sites import resolve, site_of
+from .forward.state import ATTN_DECODE_NAME, ATTN_NAME
+from .generation import decoding
+from .generation.decoding import DecodeStep
 
 
 def _pattern_key(fn):

@@ -100,7 +100,7 @@ def heads_to_seq(y: torch.Tensor, head_sizes: list[int], group) -> torch.Tensor:
 
 class GroupSum(torch.autograd.Function):
     """Sum a per-rank partial over the group; backward scales the gradient by `grad_scale` (the loss
-    passes sp: why, in the scaling note of `seqpar_hf.models.loss`)."""
+    passes sp: why, in the scaling note of `seqpar_hf.models.forward.loss`)."""
 
     @staticmethod
     def forward(ctx, x, group, grad_scale):
@@ -142,7 +142,7 @@ class GatherSequence(torch.autograd.Function):
     Used where code after the sharded part runs identically on every rank of the group (a foreign
     loss on full hidden states): each rank then holds the group's full gradient there, and scaling the
     slice by sp makes world-averaging wrappers (DDP, FSDP) sum the shards, as `GroupSum` does (see the
-    scaling note of `seqpar_hf.models.loss`).
+    scaling note of `seqpar_hf.models.forward.loss`).
     """
 
     @staticmethod

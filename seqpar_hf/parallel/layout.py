@@ -27,7 +27,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from .. import _compat
@@ -109,9 +108,8 @@ def validate_sizes(world_size: int, sp_size: int, mode: str = "ulysses", ring_si
 
 
 def _device_type() -> str:
-    # nccl: CUDA; gloo: CPU; the single-process "fake" group of the benchmarks: wherever the GPU is
-    backend = dist.get_backend()
-    return "cuda" if "nccl" in backend or (backend == "fake" and torch.cuda.is_available()) else "cpu"
+    # nccl: CUDA; gloo: CPU (a layout given `device_type` uses that)
+    return "cuda" if "nccl" in dist.get_backend() else "cpu"
 
 
 @dataclass(eq=False)
@@ -127,7 +125,9 @@ class ParallelLayout:
     across them. Every rank must build the layout (creating groups is collective), in the same order;
     ranks that ask for different layouts all raise a ValueError naming the field and every rank's value.
     `timeout`: how long a collective of the layout's groups waits for the other ranks (None: the default
-    process group's timeout; torch would give the mesh's groups 30 minutes on gloo).
+    process group's timeout; torch would give the mesh's groups 30 minutes on gloo). `device_type`: the
+    mesh's device type, "cuda" or "cpu" (None: "cuda" on NCCL, else "cpu"), for a process group whose
+    backend does not say (one that runs on both).
     A layout is shared, never copied: `copy.deepcopy` returns the same object (a deep-copied model
     keeps its process groups), and never changed once built. `mode="auto"` builds no groups: `patch_model`
     chooses for each model from its heads (`seqpar_hf.parallel.auto`) and patches it with a new, resolved
@@ -142,6 +142,7 @@ class ParallelLayout:
     tp_size: int = 1
     head_chunks: int | str = "auto"
     timeout: timedelta | None = None
+    device_type: str | None = None
     sizes: LayoutSizes = field(init=False, repr=False)
     auto_choice = None  # on a layout resolved from mode="auto": the `auto.Choice` it was built from, with its reason
 
@@ -153,9 +154,9 @@ class ParallelLayout:
                                         self.ring_size, self.tp_size)
             if self.sp_size > 1:  # dp / world sizes are known; groups belong to the layouts `resolved` returns
                 self.rank = dist.get_rank() if running else 0
-                self.device_type = _device_type() if running else "cpu"
+                self.device_type = self.device_type or (_device_type() if running else "cpu")
                 self._resolved = {}  # (mode, ring_size) -> the layout built for it: models that agree share one
-                if running and dist.get_backend() != "fake":
+                if running:
                     self._agree(self.ring_size)  # every rank asked for "auto" (resolved together later)
                 self._sealed = True
                 return
@@ -196,7 +197,7 @@ class ParallelLayout:
             if self.sp_size == 1 and self.tp_size == 1:  # a no-op layout needs no process group
                 self.sizes = validate_sizes(1, 1, self.mode, self.ring_size)
                 self.ring_size = self.sizes.ring_size
-                self.rank, self.mesh, self.device_type, self.serial = 0, None, "cpu", 0
+                self.rank, self.mesh, self.device_type, self.serial = 0, None, self.device_type or "cpu", 0
                 self.sp_group = self.dp_group = self.ulysses_group = self.ring_group = None
                 self.tp_group = self.dp_sp_group = self.replica_group = None
                 self.sp_ranks = self.ulysses_ranks = self.ring_ranks = self.tp_ranks = self.replica_ranks = (0,)
@@ -206,15 +207,14 @@ class ParallelLayout:
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (accelerate launch / torchrun do)"
             )
         self.rank, self.serial = dist.get_rank(), 0
-        backend, self.device_type = dist.get_backend(), _device_type()
+        self.device_type = self.device_type or _device_type()
         try:
             sizes, error = validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size,
                                           self.tp_size), None
         except (ValueError, TypeError) as exc:
             sizes, error = None, exc
-        if backend != "fake":  # the benchmarks' one-process group: nothing to compare, no timeouts
-            # before raising: an error on some ranks only would leave the others waiting in the mesh
-            self._agree(sizes.ring_size if sizes is not None else self.ring_size)
+        # before raising: an error on some ranks only would leave the others waiting in the mesh
+        self._agree(sizes.ring_size if sizes is not None else self.ring_size)
         if error is not None:
             raise error
         s = self.sizes = sizes
@@ -237,23 +237,25 @@ class ParallelLayout:
         # the ranks that read one batch: the SP group, times TP when used (with tp_size 1, the SP group itself)
         self.replica_group, self.replica_ranks = self._group("replica") if s.tp_size > 1 else (self.sp_group,
                                                                                              self.sp_ranks)
-        if backend != "fake":
-            self._set_timeouts()
+        self._set_timeouts()
 
     def _agree(self, ring_size) -> None:
         """Every rank asks for the same layout (so ranks building layouts in different orders fail at the
-        first one that differs); else all raise. One all-gather of 6 x 48 bytes per rank."""
+        first one that differs); else all raise. One all-gather of 7 x 48 bytes per rank."""
         world = id(dist.group.WORLD)
         self.serial = _BUILT.get(world, 0)
         _BUILT[world] = self.serial + 1
         asked = {"mode": self.mode, "sp_size": self.sp_size, "ring_size": ring_size, "tp_size": self.tp_size,
-                 "head_chunks": self.head_chunks, "timeout": self.timeout}
+                 "head_chunks": self.head_chunks, "timeout": self.timeout, "device_type": self.device_type}
         same_on_every_rank(asked, dist.group.WORLD, agreement_device(self.device_type),
                            "the ParallelLayout they build", "Every rank must build the same ParallelLayout, in the same order (building one creates "
                            "process groups on every rank): pass the same arguments on every rank.")
         if self.timeout is not None and (not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0):
             raise ValueError(f"timeout={self.timeout!r}: pass a positive datetime.timedelta (or None: the default "
                              "process group's timeout)")
+        if self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type={self.device_type!r}: pass 'cpu' or 'cuda' (or None: from the process "
+                             "group's backend)")
 
     def _set_timeouts(self) -> None:
         """The mesh's groups get torch's default timeout (30 min on gloo), not the default group's. A dim

@@ -3,7 +3,7 @@ launch and the `patch_model` call that give it."""
 
 from __future__ import annotations
 
-from ..models.loss import TILED_LOSS_MIN_ELEMENTS
+from ..models.forward.loss import TILED_LOSS_MIN_ELEMENTS
 from .memory import Layout
 
 LEGEND = """columns: GiB per rank at the step's highest moment, named in "at"

@@ -13,7 +13,7 @@ states, it counts per rank:
   the SwiGLU MLP; Ulysses keeps the attention output in both layouts and gives each rank at least one
   kv head; checkpointing keeps one layer input per layer and recomputes one layer at a time);
 - logits: cross-entropy's log-softmax and the logits' gradient ([tokens, vocab] fp32, twice), or with
-  the tiled loss a fixed chunk (seqpar_hf.models.loss.TILED_LOSS_CHUNK_ELEMENTS) and a copy of the
+  the tiled loss a fixed chunk (seqpar_hf.models.forward.loss.TILED_LOSS_CHUNK_ELEMENTS) and a copy of the
   head's input;
 - communication buffers: Ulysses all-to-all (q, k, v in and out), ring k/v blocks in flight, TP
   all-gathered [s, h] inputs.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from ..models.loss import TILED_LOSS_CHUNK_ELEMENTS
+from ..models.forward.loss import TILED_LOSS_CHUNK_ELEMENTS
 from . import checks
 
 MODES = ("ulysses", "ring")  # what the planner counts; hybrid is a ring of Ulysses groups, not modelled

@@ -1,7 +1,7 @@
 """Packed rows for encoder-decoder models: several (source, target) pairs per row, no attention across pairs.
 
 transformers has no packed convention for seq2seq; seqpar_hf's (read by the patched model, see
-`seqpar_hf.models.inputs`):
+`seqpar_hf.models.forward.inputs`):
 
     input_ids, attention_mask      [rows, S]  sources of the row's pairs, one after another, then padding
     position_ids                   [rows, S]  0, 1, ... restarting at 0 for every pair (padding: 0)
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.labels import IGNORE_INDEX
+from ..models.forward.labels import IGNORE_INDEX
 
 
 def pack_pairs(lengths: Sequence[tuple[int, int]], max_tokens: int) -> list[list[int]]:

@@ -171,9 +171,9 @@ def converted(folder: str, model, optimizer, current: dict) -> tuple[dict, dict]
         saved = _by_name(saved, names, path)
     elif [list(g["params"]) for g in saved["param_groups"]] == groups and current["optimizer_keys"] == "names":
         return None
-    sources = _sources(saved, groups, path, record, current)
+    sources = group_sources(saved, groups, path, record, current)
     scheduler = torch.load(os.path.join(folder, _compat.SCHEDULER_NAME), map_location="cpu", weights_only=True)
-    scheduler = _regroup_scheduler(scheduler, sources, len(saved["param_groups"]), path, record, current)
+    scheduler = regroup_scheduler(scheduler, sources, len(saved["param_groups"]), path, record, current)
     # this run's groups, each with the settings of the group its parameters were saved in: torch's loader would
     # give the settings of a saved group to one of the groups it was split into only
     regrouped = [{**saved["param_groups"][s], "params": group} for s, group in zip(sources, groups)]
@@ -197,7 +197,7 @@ def _by_name(state: dict, names: list[list[str]], path: str) -> dict:
             "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
-def _sources(saved: dict, groups: list[list[str]], path: str, record: dict | None, current: dict) -> list[int]:
+def group_sources(saved: dict, groups: list[list[str]], path: str, record: dict | None, current: dict) -> list[int]:
     """For each group of this run's optimizer, the saved group its settings (lr, weight decay, ...) come from."""
     where = {n: i for i, g in enumerate(saved["param_groups"]) for n in g["params"]}
     absent = [n for g in groups for n in g if n not in where]
@@ -215,7 +215,8 @@ def _sources(saved: dict, groups: list[list[str]], path: str, record: dict | Non
     return sources
 
 
-def _regroup_scheduler(state: dict, sources: list[int], saved_groups: int, path: str, record, current) -> dict:
+def regroup_scheduler(state: dict, sources: list[int], saved_groups: int, path: str, record, current) -> dict:
+    """The scheduler's per-group values moved as the optimizer's groups are (`group_sources`)."""
     if sources == list(range(saved_groups)):
         return state
     out = dict(state)
@@ -226,6 +227,6 @@ def _regroup_scheduler(state: dict, sources: list[int], saved_groups: int, path:
                                                                  f"{len(out[key])} entries for {saved_groups} groups"))
             out[key] = [out[key][s] for s in sources]
     if "_schedulers" in out:  # SequentialLR, ChainedScheduler: each inner scheduler's state
-        out["_schedulers"] = [_regroup_scheduler(s, sources, saved_groups, path, record, current)
+        out["_schedulers"] = [regroup_scheduler(s, sources, saved_groups, path, record, current)
                               for s in out["_schedulers"]]
     return out

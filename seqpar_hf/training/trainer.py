@@ -19,8 +19,8 @@ import torch.distributed as dist
 from transformers import Seq2SeqTrainer
 
 from .. import _compat
-from ..models import labels as labels_
-from ..models.loss import global_batch_loss
+from ..models.forward import labels as labels_
+from ..models.forward.loss import global_batch_loss
 from ..models.patch import gather_logits, is_patched, layout_of, model_kind, patch_model
 from ..parallel import announce
 from ..parallel.comm import group_size

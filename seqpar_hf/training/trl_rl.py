@@ -29,7 +29,7 @@ from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
 from .. import _compat
 from ..models.patch import is_patched, original_attn_implementation, patch_model, sp_disabled
-from ..models.rng import per_rank_stream
+from ..models.forward.rng import per_rank_stream
 from ..parallel.layout import ParallelLayout
 from . import fsdp
 from .arguments import SequenceParallelFields

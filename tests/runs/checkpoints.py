@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from .robustness import _attempt, _per_rank
+from .robustness import attempt, per_rank
 from .trainer import make_trainer
 
 PATHS = {"plain": dict(sp=2), "tp": dict(sp=1, tp=2), "fsdp": dict(sp=2, extra={"fsdp": "full_shard"})}
@@ -83,28 +83,28 @@ def cases(results: dict) -> None:
         out = os.path.join(base, path)
         trainer = _trainer(path, out)
         with failing_torch_save(when=lambda: trainer.state.global_step == 2):
-            results[f"save-fails-{path}"] = _attempt(trainer.train)  # checkpoint-1 written, checkpoint-2 fails
+            results[f"save-fails-{path}"] = attempt(trainer.train)  # checkpoint-1 written, checkpoint-2 fails
         results[f"save-fails-{path}-listing"] = (_listing(out), 0.0)
         _edit_weights(os.path.join(out, "checkpoint-1"), drop="model.decoder.layers.0.encoder_attn.out_proj.bias")
         resumed = resumed_at[path] = _trainer(path, out + "-resumed")
-        results[f"resume-missing-weight-{path}"] = _attempt(
+        results[f"resume-missing-weight-{path}"] = attempt(
             lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1")))
         if path == "plain":
             _edit_weights(os.path.join(out, "checkpoint-1"), add="model.no_such.weight")
-            results["resume-unexpected-weight-plain"] = _attempt(
+            results["resume-unexpected-weight-plain"] = attempt(
                 lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1")))
             with failing_torch_save():
-                results["save-model-fails"] = _attempt(lambda: resumed.save_model(out + "-final"))
+                results["save-model-fails"] = attempt(lambda: resumed.save_model(out + "-final"))
     # resuming at tp 2 a checkpoint written at tp 1 that does not record its optimizer's parameter names (written
     # before they were recorded); a truncated file: refused on every rank before the resume's first collective
     plain, tp = os.path.join(base, "plain", "checkpoint-1"), os.path.join(base, "tp", "checkpoint-1")
     _damage(os.path.join(plain, "seqpar_layout.json"), remove=True)
-    results["resume-numbered-optimizer-at-tp"] = _attempt(lambda: resumed_at["tp"].train(resume_from_checkpoint=plain))
+    results["resume-numbered-optimizer-at-tp"] = attempt(lambda: resumed_at["tp"].train(resume_from_checkpoint=plain))
     _damage(os.path.join(tp, "model.safetensors"))
-    results["resume-truncated-weights-tp"] = _attempt(lambda: resumed_at["tp"].train(resume_from_checkpoint=tp))
+    results["resume-truncated-weights-tp"] = attempt(lambda: resumed_at["tp"].train(resume_from_checkpoint=tp))
     a_file = os.path.join(base, "a-file")
     if dist.get_rank() == 0:
         open(a_file, "w").close()
-    results["output-dir-unwritable"] = _attempt(lambda: make_trainer(sp=2, output_dir=os.path.join(a_file, "out")))
-    results["trainer-sp-sizes-differ"] = _attempt(lambda: make_trainer(sp=_per_rank((2, 1)),
+    results["output-dir-unwritable"] = attempt(lambda: make_trainer(sp=2, output_dir=os.path.join(a_file, "out")))
+    results["trainer-sp-sizes-differ"] = attempt(lambda: make_trainer(sp=per_rank((2, 1)),
                                                                        output_dir=os.path.join(base, "sp")))

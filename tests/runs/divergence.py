@@ -13,7 +13,7 @@ import torch.distributed as dist
 import seqpar_hf
 
 from ..helpers.models import build_model, make_batch
-from .robustness import _attempt, _per_rank
+from .robustness import attempt, per_rank
 
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -43,7 +43,7 @@ def plain_trainer(results: dict, layout) -> None:
         model = seqpar_hf.patch_model(build_model("marian"), layout)
         trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=synthetic_dataset(24, seed=1),
                                  data_collator=collate, callbacks=[Steps()])
-        results["plain-trainer-diverges"] = _attempt(trainer.train)
+        results["plain-trainer-diverges"] = attempt(trainer.train)
         results["plain-trainer-diverges-steps"] = (steps, isinstance(trainer.model_wrapped, DistributedDataParallel))
     finally:
         os.environ.update(saved)
@@ -53,7 +53,7 @@ def plain_trainer(results: dict, layout) -> None:
 def per_rank_learning_rate(layout):
     """Gradients summed over the replica (what DDP does), each rank stepping with its own learning rate."""
     model = seqpar_hf.patch_model(build_model("llama"), layout).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=_per_rank((0.1, 0.2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=per_rank((0.1, 0.2)))
     steps = []
 
     def train():
@@ -72,7 +72,7 @@ def cases(results: dict) -> None:
     layout = seqpar_hf.ParallelLayout(sp_size=2)
     plain_trainer(results, layout)
     train, steps = per_rank_learning_rate(layout)
-    results["learning-rates-differ"] = _attempt(train)
+    results["learning-rates-differ"] = attempt(train)
     results["learning-rates-differ-steps"] = (len(steps), None)
 
     def tp_norm_differs():  # a replicated DTensor (a TP norm) is compared across the TP ranks
@@ -80,7 +80,7 @@ def cases(results: dict) -> None:
         with torch.no_grad():
             model.model.norm.weight.to_local().add_(dist.get_rank())
         model(**make_batch("llama", seed=0))
-    results["tp-norm-differs"] = _attempt(tp_norm_differs)
+    results["tp-norm-differs"] = attempt(tp_norm_differs)
 
     def generate_and_forward():
         model = seqpar_hf.patch_model(build_model("llama"), layout).eval()
@@ -89,8 +89,8 @@ def cases(results: dict) -> None:
             model.generate(input_ids=batch["input_ids"], max_new_tokens=2, do_sample=False)
         else:
             model(**batch)
-    results["generate-and-forward"] = _attempt(generate_and_forward)
+    results["generate-and-forward"] = attempt(generate_and_forward)
 
     from .trainer import make_trainer
-    results["trainer-learning-rates-differ"] = _attempt(
-        lambda: make_trainer(sp=2, extra=dict(learning_rate=_per_rank((1e-3, 2e-3)))))
+    results["trainer-learning-rates-differ"] = attempt(
+        lambda: make_trainer(sp=2, extra=dict(learning_rate=per_rank((1e-3, 2e-3)))))

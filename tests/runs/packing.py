@@ -17,7 +17,7 @@ import seqpar_hf
 from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
 from ..helpers.models import SEQ2SEQ, VOCAB, build_model, relative_error
-from .parity import _grad_errors
+from .parity import grad_errors
 
 DOC_LENGTHS = (5, 9, 3, 7, 1, 6)  # 31 tokens: documents cross shard boundaries and ring hops
 PAIR_LENGTHS = ((4, 6), (7, 3), (2, 5), (6, 6), (1, 2), (5, 4))
@@ -109,7 +109,7 @@ def run_case(case: dict) -> dict:
         if p.grad is not None and layout.sp_group is not None:
             torch.distributed.all_reduce(p.grad, group=layout.sp_group)
             p.grad /= layout.sp_size
-    grad_err, worst = _grad_errors(model, reference)
+    grad_err, worst = grad_errors(model, reference)
     return {"name": case["name"], "loss_err": relative_error(loss, ref_loss), "grad_err": grad_err, "worst": worst}
 
 

@@ -18,7 +18,7 @@ from ..helpers.models import build_model, make_batch, relative_error, rope
 ZERO_GRAD_FLOOR = 1e-4
 
 
-def _grad_errors(patched, reference) -> tuple[float, str]:
+def grad_errors(patched, reference) -> tuple[float, str]:
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     total = torch.sqrt(sum(g.double().norm() ** 2 for g in grads.values())).item()
     worst, worst_name = 0.0, ""
@@ -98,7 +98,7 @@ def run_case(case: dict) -> dict:
             ref_losses.append(loss.detach())
     result["loss"] = out.loss.item()
     result["loss_err"] = abs(out.loss.item() - ref_losses[layout.dp_rank].item()) / abs(ref_losses[layout.dp_rank].item())
-    result["grad_err"], result["worst_param"] = _grad_errors(model, reference)
+    result["grad_err"], result["worst_param"] = grad_errors(model, reference)
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, out.loss.item())
     result["group_losses"] = losses[layout.sp_size * layout.dp_rank: layout.sp_size * (layout.dp_rank + 1)]

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar_hf
-from seqpar_hf.models.rng import per_rank_stream
+from seqpar_hf.models.forward.rng import per_rank_stream
 
 from ..helpers.models import build_model, make_batch
 

@@ -187,10 +187,10 @@ def divergences() -> dict:
     at the trainer's construction or at the first generation batch, instead of training on a mix."""
     import torch.distributed as dist
 
-    from .robustness import _attempt
+    from .robustness import attempt
     rank = dist.get_rank()
-    return {"num-generations-differ": _attempt(lambda: run_rl(sp=2, steps=1, extra=dict(num_generations=2 + 2 * rank))),
-            "datasets-differ": _attempt(lambda: run_rl(sp=2, steps=1, prompt_seed=1 + rank))}
+    return {"num-generations-differ": attempt(lambda: run_rl(sp=2, steps=1, extra=dict(num_generations=2 + 2 * rank))),
+            "datasets-differ": attempt(lambda: run_rl(sp=2, steps=1, prompt_seed=1 + rank))}
 
 
 # name -> (sequence-parallel run at sp=2 (and dp=2 in the 4-rank cases), the one-process reference).

@@ -16,7 +16,7 @@ from ..helpers.collectives import counting
 from ..helpers.models import VOCAB, build_model, make_batch
 
 
-def _attempt(fn):
+def attempt(fn):
     """(message or None, seconds) of `fn`; the ranks start together, so a rank's seconds are its own wait."""
     dist.barrier()
     start = time.time()
@@ -27,34 +27,34 @@ def _attempt(fn):
         return f"{type(exc).__name__}: {exc}", time.time() - start
 
 
-def _per_rank(values):
+def per_rank(values):
     """This rank's value of a (rank 0, rank 1) pair."""
     return values[dist.get_rank()]
 
 
 def layout_cases(results: dict) -> None:
-    results["world-not-divisible"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=4))
-    results["ring-size-not-dividing"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="hybrid",
+    results["world-not-divisible"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=4))
+    results["ring-size-not-dividing"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="hybrid",
                                                                                   ring_size=3))
-    results["unknown-mode"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="stripes"))
-    results["layout-modes-differ"] = _attempt(
-        lambda: seqpar_hf.ParallelLayout(sp_size=2, mode=_per_rank(("ulysses", "ring"))))
-    results["layout-sp-sizes-differ"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=_per_rank((2, 1))))
-    results["layout-tp-vs-sp"] = _attempt(
-        lambda: seqpar_hf.ParallelLayout(**_per_rank(({"sp_size": 2}, {"sp_size": 1, "tp_size": 2}))))
-    results["layout-one-rank-invalid"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=_per_rank((4, 2))))
+    results["unknown-mode"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="stripes"))
+    results["layout-modes-differ"] = attempt(
+        lambda: seqpar_hf.ParallelLayout(sp_size=2, mode=per_rank(("ulysses", "ring"))))
+    results["layout-sp-sizes-differ"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=per_rank((2, 1))))
+    results["layout-tp-vs-sp"] = attempt(
+        lambda: seqpar_hf.ParallelLayout(**per_rank(({"sp_size": 2}, {"sp_size": 1, "tp_size": 2}))))
+    results["layout-one-rank-invalid"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=per_rank((4, 2))))
 
     def built_in_another_order():  # rank 0 builds (sp 1, sp 2), rank 1 (sp 2, sp 1): both fail, twice
         errors = []
-        for sp in _per_rank(((1, 2), (2, 1))):
+        for sp in per_rank(((1, 2), (2, 1))):
             try:
                 seqpar_hf.ParallelLayout(sp_size=sp)
             except ValueError as exc:
                 errors.append(str(exc))
         if len(errors) == 2:
             raise ValueError(" | ".join(errors))
-    results["layouts-in-another-order"] = _attempt(built_in_another_order)
-    results["layout-bad-timeout"] = _attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, timeout=5))
+    results["layouts-in-another-order"] = attempt(built_in_another_order)
+    results["layout-bad-timeout"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, timeout=5))
 
 
 def fingerprint_cases(results: dict, layout) -> None:
@@ -85,39 +85,39 @@ def fingerprint_cases(results: dict, layout) -> None:
             batch["shift_labels"] = torch.cat([batch["labels"][:, 1:], torch.full((3, 1), -100)], 1)
         return batch
 
-    results["different-lengths"] = _attempt(run("marian", lambda: marian(src_len=13 if rank == 0 else 11)))
-    results["mask-on-one-rank"] = _attempt(run("marian", without_mask_on_rank_1))
-    results["different-token-ids"] = _attempt(run("marian", lambda: make_batch("marian", seed=rank)))
-    results["different-dtypes"] = _attempt(run("marian", int32_on_rank_1))
-    results["shift-labels-on-one-rank"] = _attempt(run("llama", shift_labels_on_rank_1))
-    results["num-items-differ"] = _attempt(run("llama", lambda: {**llama(), "num_items_in_batch": 6 + rank}))
-    results["num-items-tensor-differ"] = _attempt(
+    results["different-lengths"] = attempt(run("marian", lambda: marian(src_len=13 if rank == 0 else 11)))
+    results["mask-on-one-rank"] = attempt(run("marian", without_mask_on_rank_1))
+    results["different-token-ids"] = attempt(run("marian", lambda: make_batch("marian", seed=rank)))
+    results["different-dtypes"] = attempt(run("marian", int32_on_rank_1))
+    results["shift-labels-on-one-rank"] = attempt(run("llama", shift_labels_on_rank_1))
+    results["num-items-differ"] = attempt(run("llama", lambda: {**llama(), "num_items_in_batch": 6 + rank}))
+    results["num-items-tensor-differ"] = attempt(
         run("llama", lambda: {**llama(), "num_items_in_batch": torch.tensor(6 + rank)}))
-    results["label-smoothing-differs"] = _attempt(run("llama", lambda: {**llama(), "label_smoothing": 0.1 * rank}))
-    results["training-mode-differs"] = _attempt(run("llama", llama, model_fn=lambda m: m.train(rank == 0)))
-    results["logits-to-keep-on-one-rank"] = _attempt(run("llama", lambda: {**llama(), "logits_to_keep": rank}))
-    results["output-hidden-states-on-one-rank"] = _attempt(
+    results["label-smoothing-differs"] = attempt(run("llama", lambda: {**llama(), "label_smoothing": 0.1 * rank}))
+    results["training-mode-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(rank == 0)))
+    results["logits-to-keep-on-one-rank"] = attempt(run("llama", lambda: {**llama(), "logits_to_keep": rank}))
+    results["output-hidden-states-on-one-rank"] = attempt(
         run("llama", lambda: {**llama(), "output_hidden_states": rank == 1}))
-    results["tiled-loss-differs"] = _attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_loss=rank == 0))
-    results["lm-loss-differs"] = _attempt(run("llama", llama, lm_loss=rank == 0))
-    results["attention-set-on-one-rank"] = _attempt(
+    results["tiled-loss-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_loss=rank == 0))
+    results["lm-loss-differs"] = attempt(run("llama", llama, lm_loss=rank == 0))
+    results["attention-set-on-one-rank"] = attempt(
         run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa") if rank == 1 else None))
-    results["attention-set-after-patch"] = _attempt(
+    results["attention-set-after-patch"] = attempt(
         run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa")))
-    results["attention-config-after-patch"] = _attempt(
+    results["attention-config-after-patch"] = attempt(
         run("marian", marian, model_fn=lambda m: setattr(m.config, "_attn_implementation", "eager")))
 
     def other_layout_object():  # same sizes, another layout object (its group is the same: the world)
         second = seqpar_hf.ParallelLayout(sp_size=2)
         model = seqpar_hf.patch_model(build_model("llama"), layout if rank == 0 else second)
         return lambda: model(**llama())
-    results["patched-with-another-layout"] = _attempt(other_layout_object())
+    results["patched-with-another-layout"] = attempt(other_layout_object())
     tp = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)  # a replica of 2 TP ranks (no SP group): checked too
     tp_model = seqpar_hf.patch_model(build_model("llama"), tp)
-    results["tp-ranks-different-batches"] = _attempt(lambda: tp_model(**make_batch("llama", seed=rank)))
-    results["logits-to-keep-with-labels"] = _attempt(run("llama", lambda: {**llama(), "logits_to_keep": 1}))
-    results["output-attentions"] = _attempt(run("llama", lambda: {**llama(), "output_attentions": True}))
-    results["mask-4d"] = _attempt(run("llama", lambda: {**llama(), "attention_mask": torch.ones(3, 1, 11, 11)}))
+    results["tp-ranks-different-batches"] = attempt(lambda: tp_model(**make_batch("llama", seed=rank)))
+    results["logits-to-keep-with-labels"] = attempt(run("llama", lambda: {**llama(), "logits_to_keep": 1}))
+    results["output-attentions"] = attempt(run("llama", lambda: {**llama(), "output_attentions": True}))
+    results["mask-4d"] = attempt(run("llama", lambda: {**llama(), "attention_mask": torch.ones(3, 1, 11, 11)}))
 
 
 def validation_batches() -> dict:
@@ -185,16 +185,16 @@ def validation_cases(results: dict, layout) -> None:
 
     batches = validation_batches()
     for name, (family, batch) in batches.items():
-        results[name] = _attempt(run(family, batch))
+        results[name] = attempt(run(family, batch))
     family, batch = batches["id-past-vocab-second-half"]
-    results["bad-id-without-check-inputs"] = _attempt(run(family, batch, check_inputs=False))
+    results["bad-id-without-check-inputs"] = attempt(run(family, batch, check_inputs=False))
 
 
 def timeout_case(results: dict) -> None:
     """A rank that skips a forward: the other times out in the fingerprint's all-gather, with the reason.
     On its own group (a gloo group that timed out is closed), with a 2-second timeout."""
-    from seqpar_hf.models.checks import check_same_batch, forward_settings
-    from seqpar_hf.models.state import state_of
+    from seqpar_hf.models.forward.checks import check_same_batch, forward_settings
+    from seqpar_hf.models.forward.state import state_of
     group = dist.new_group([0, 1])
     dist.barrier(group=group)
     group.set_timeout(timedelta(seconds=2))
@@ -209,7 +209,7 @@ def timeout_case(results: dict) -> None:
         else:
             time.sleep(4)  # past the other's timeout: it reports, this one has nothing to report
             raise RuntimeError("skipped the forward")
-    results["rank-skips-a-forward"] = _attempt(forward_on_rank_0_only)
+    results["rank-skips-a-forward"] = attempt(forward_on_rank_0_only)
 
 
 def fingerprint_cost() -> dict:
@@ -231,9 +231,9 @@ def tokenizer_case(results: dict) -> None:
     from recipes import translation_data as td  # imported first: the check's seconds are its own
 
     texts = ["the cat sat on the mat .", "le chat est assis sur le tapis ."] * 3
-    same, mine = td.train_tokenizer(texts, 40), td.train_tokenizer(texts, _per_rank((40, 45)))
-    results["tokenizer-same"] = _attempt(lambda: td.check_same_tokenizer(same, torch.device("cpu")))
-    results["tokenizers-differ"] = _attempt(lambda: td.check_same_tokenizer(mine, torch.device("cpu")))
+    same, mine = td.train_tokenizer(texts, 40), td.train_tokenizer(texts, per_rank((40, 45)))
+    results["tokenizer-same"] = attempt(lambda: td.check_same_tokenizer(same, torch.device("cpu")))
+    results["tokenizers-differ"] = attempt(lambda: td.check_same_tokenizer(mine, torch.device("cpu")))
 
 
 def bad_inputs():
@@ -249,7 +249,7 @@ def bad_inputs():
         model = seqpar_hf.patch_model(build_model("llama"), layout)
         hidden = torch.randn(2, 6, model.config.hidden_size)
         model.model.layers[0](hidden, position_embeddings=model.model.rotary_emb(hidden, torch.arange(6)[None]))
-    results["submodule-called-directly"] = _attempt(submodule_called_directly)
+    results["submodule-called-directly"] = attempt(submodule_called_directly)
 
     def custom_attention():
         from transformers import AttentionInterface
@@ -257,7 +257,7 @@ def bad_inputs():
         model = build_model("marian")
         model.set_attn_implementation("my_kernel")
         seqpar_hf.patch_model(model, layout)
-    results["unsupported-attention"] = _attempt(custom_attention)
+    results["unsupported-attention"] = attempt(custom_attention)
     checkpoints.cases(results)
     divergence.cases(results)
     timeout_case(results)
@@ -268,7 +268,7 @@ def bad_inputs():
         dist.barrier()
         dist.destroy_process_group()  # last case: nothing after it needs the group
         model(**batch)
-    results["no-process-group"] = _attempt(no_process_group)
+    results["no-process-group"] = attempt(no_process_group)
     return results
 
 

@@ -1,5 +1,5 @@
 """The positions a causal backbone makes for itself when it is given none, computed on the full batch so
-that every shard gets them (patch time picks the rule the model follows, models/probe.py):
+that every shard gets them (patch time picks the rule the model follows, models/proof/probe.py):
 
 - "arange": 0..S-1 (most models; what the patch passes when the model says nothing else);
 - "mask_cumsum": from the attention mask, cumsum(mask) * mask - 1 (OPT: a left-padded row starts at 0);

@@ -1,8 +1,8 @@
 """Which transformers models can be sequence-parallel, decided by what their code does, never by a list.
 
-`inspect_model` checks the structure first (relative position biases, ALiBi, soft-capping, sinks and
+`inspect_model` checks the structure first (structure.py: relative position biases, ALiBi, soft-capping, sinks and
 chunked attention in the config; position modules that cannot be looked up by position id), then proves
-the rest with a dry run of the model (models/proof.py, probe.py): the backbone its forward runs, every
+the rest with a dry run of the model (prove.py, probe.py): the backbone its forward runs, every
 attention call through transformers' `AttentionInterface` (sides, pattern, keywords), its default
 positions, its loss and LM head, and (when the layout splits the sequence) that nothing but attention
 mixes tokens. Causal LMs and encoder-decoder LMs are patched as a whole; their backbones also on their
@@ -13,38 +13,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from .. import _compat
-from . import proof
-from .families import ModelFamily, _refuse, pad_token_id, unwrap
+from ... import _compat
+from ..families import ModelFamily, pad_token_id, unwrap
+from .probe_checks import Refusal
+from .prove import prove
+from .structure import check_structure
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def _check_structure(model: nn.Module, config, name: str) -> None:
-    if any(hasattr(m, "relative_attention_bias") for m in model.modules()) or \
-            getattr(config, "relative_attention_num_buckets", None) is not None:
-        _refuse(name, "its attention adds a relative position bias computed from the whole query-key distance "
-                      "matrix, which no rank holds under sequence parallelism",
-                "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work")
-    if getattr(config, "alibi", False) or \
-            getattr(config, "position_embedding_type", "absolute") not in ("absolute", "rope", None):
-        _refuse(name, "its attention uses ALiBi or relative-key position biases that span the whole sequence",
-                "Use a model with rotary or absolute positions")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) has no "
-                      "sharded kernel here", "Set config.attn_logit_softcapping = None before patching (Gemma 2 "
-                                              "trains well without it), or train without sequence parallelism")
-    if getattr(config, "attention_chunk_size", None):
-        _refuse(name, f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
-                "Set config.attention_chunk_size = None to train with full attention")
-    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules()):
-        _refuse(name, "its attention has learned sinks, which the sharded kernels here do not take",
-                "Train it without sequence parallelism")
-
-
 def inspect_model(model: nn.Module, split: bool = False, ring: bool = False) -> ModelFamily:
     """Find the SP-relevant parts of `model`, or raise a ValueError that names what is wrong and the fix.
-    Structure first, then a dry run (models/probe.py) that finds the backbone and every attention call;
+    Structure first, then a dry run (models/proof/probe.py) that finds the backbone and every attention call;
     with `split` (the layout splits the sequence) it also proves that every module computes on a shard
     what it computes on the full sequence (`ring`: shards in the ring's zigzag order)."""
     pretrained = unwrap(model)
@@ -56,7 +36,7 @@ def inspect_model(model: nn.Module, split: bool = False, ring: bool = False) -> 
     if attn not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"{name} uses attn_implementation={attn!r}; seqpar_hf replaces one of "
                          f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (load the model with attn_implementation='sdpa')")
-    _check_structure(pretrained, config, name)
+    check_structure(pretrained, config, name)
     guess = getattr(pretrained, "base_model", pretrained)
     if guess is not pretrained and pretrained.get_output_embeddings() is None:
         raise ValueError(f"seqpar_hf patches language models (e.g. LlamaForCausalLM, MarianMTModel) or their "
@@ -66,6 +46,6 @@ def inspect_model(model: nn.Module, split: bool = False, ring: bool = False) -> 
         raise ValueError(f"{name} is a bidirectional (encoder-only) model; seqpar_hf shards causal LMs and "
                          "encoder-decoder models")
     try:
-        return proof.prove(pretrained, kind, pad_token_id(config), attn, guess, split, ring)
-    except proof.Refusal as refusal:
+        return prove(pretrained, kind, pad_token_id(config), attn, guess, split, ring)
+    except Refusal as refusal:
         raise ValueError(refusal.message(pretrained)) from None

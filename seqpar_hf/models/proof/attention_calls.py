@@ -1,52 +1,21 @@
-"""What each attention call passes, and what the sharded attention makes of it.
+"""What each attention call of the dry run passes, and the site it makes (patch time).
 
-At patch time (from the dry run's records, models/probe.py) every module that calls the attention
-function becomes a site with its sides (which sequence its queries and keys come from: read off their
-lengths, never off `module.is_causal`) and its pattern, decided as the unpatched model decides it:
-SDPA, eager and flex attention follow the mask the layer is given (its mask function, read exactly,
-any window size); flash attention follows `is_causal` and `sliding_window`. Keywords the sharded
-attention does not honour are refused by name, at patch time and again at run time. Calls whose
-queries do not run along the sequence (attention over a token's own layers) are token-local: they
-run the original implementation as they are.
+Every module that calls the attention function in the dry run (models/proof/probe.py) becomes a site with
+its sides (which sequence its queries and keys come from: read off their lengths, never off
+`module.is_causal`) and its pattern, decided as the unpatched model decides it: SDPA, eager and flex
+attention follow the mask the layer is given (its mask function, read exactly, any window size); flash
+attention follows `is_causal` and `sliding_window`. Keywords the sharded attention does not honour
+(models/forward/sites.py) are refused by name. Calls whose queries do not run along the sequence
+(attention over a token's own layers) are token-local: they run the original implementation as they are.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.mask_patterns import describe, read_tensor
-from .context import CONTEXT_KWARG
-from .dryrun import original_function
+from ...attention.mask_patterns import describe, read_tensor
+from ..forward.sites import keyword_why, unsupported
 from .probe_checks import Refusal
-
-HONOURED = ("dropout", "scaling")
-SUPERSEDED = ("is_causal", "sliding_window")  # the pattern proven at patch time decides
-CARRIED = ("position_ids", "cache_position", "output_attentions", "output_hidden_states", "use_cache", "return_dict",
-           "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "layer_idx", "past_key_values",
-           "past_key_value", "cache", "labels", CONTEXT_KWARG)  # labels: only the dry run passes them this far
-WHY = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks",
-       "position_bias": "an additive bias over the whole query-key matrix",
-       "indices": "a sparse selection of keys made over the whole sequence",
-       "block_indices": "a sparse selection of key blocks made over the whole sequence"}
-
-
-def _neutral(value) -> bool:
-    """None, False, 0: what an implementation reads as "off" (softcap=0.0, logits_to_keep=0)."""
-    return value is None or (isinstance(value, (bool, int, float)) and not value)
-
-
-def unsupported(kwargs: dict) -> list[str]:
-    """Keywords an attention call passes with a value the sharded attention would drop."""
-    return [k for k, v in kwargs.items() if k not in HONOURED + SUPERSEDED + CARRIED and not _neutral(v)]
-
-
-def keyword_why(names: list[str]) -> str:
-    what = "; ".join(f"{k}= ({WHY[k]})" if k in WHY else f"{k}=" for k in names)
-    return f"passes {what} to the attention function, which the sequence-parallel attention does not honour"
-
-
-def keyword_error(site_name: str, names: list[str]) -> str:
-    return f"seqpar_hf: {site_name} {keyword_why(names)}"
 
 
 def _flash(original: str | None) -> bool:
@@ -119,29 +88,3 @@ def site_records(calls: list[dict], original: str | None, valid: dict) -> dict:
                                 "bidirectional only")
         out[name] = (q_side, kv_side, pattern, heads, kv_heads)
     return out
-
-
-def resolve(site, module, is_causal, sliding_window, kwargs: dict) -> tuple[bool, int | None]:
-    """At run time: (causal, window) of this call; raises on keywords the sharded attention drops (the
-    same on every rank: every rank makes the same call)."""
-    bad = unsupported(kwargs)
-    if bad:
-        raise NotImplementedError(keyword_error(site.name, bad))
-    pattern = getattr(site, "pattern", None)
-    if pattern is not None:
-        return pattern
-    return bool(module.is_causal if is_causal is None else is_causal), sliding_window
-
-
-class LocalSite:
-    """A module whose attention calls do not run along the sequence (attention over a token's own layer
-    states): token-local, so they run the original implementation, unchanged, on this rank's tokens."""
-
-    local = True
-
-    def __init__(self, name: str, original: str | None):
-        self.name, self.function = name, original_function(original)
-
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG and v is not None}
-        return self.function(module, query, key, value, attention_mask, **kwargs)

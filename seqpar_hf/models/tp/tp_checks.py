@@ -1,5 +1,5 @@
-"""Tensor parallelism, exact or refused before any collective: what models/tensor_parallel.py's plan
-leaves out, checked on the structure and on what the dry run saw (models/probe.py).
+"""Tensor parallelism, exact or refused before any collective: what tensor_parallel.py's plan leaves
+out, checked on the structure and on what the dry run saw (models/proof/probe.py).
 
 Before parallelising (`check`, decoder-only models, transformers' `base_model_tp_plan`):
 - a plan that shards no projection (only the embeddings) is refused;
@@ -24,11 +24,11 @@ import inspect
 
 from torch.distributed.tensor import DTensor
 
-from .families import ModelFamily
+from ..families import ModelFamily
 
 SHARDING = ("colwise", "rowwise")
 REPLICATED = "replicated_with_grad_allreduce"
-GATHERED = ("self_attn", "mlp")  # the blocks models/tensor_parallel.py gathers the sequence for
+GATHERED = ("self_attn", "mlp")  # the blocks tensor_parallel.py gathers the sequence for
 LAYER_INPUTS = ("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache_position",
                 "past_key_values", "cache", "use_cache", "output_attentions")
 
@@ -99,7 +99,7 @@ class _Copy:
 
 def complete(family: ModelFamily, layout, hook) -> None:
     """After parallelising: sum over TP the gradients of replicated parameters used on this rank's share
-    (`hook(group)` makes the gradient hook, models/tensor_parallel._AllReduceGrad), and copy projection
+    (`hook(group)` makes the gradient hook, tensor_parallel.AllReduceGrad), and copy projection
     outputs the model writes in place."""
     if family.kind != "causal":
         return

@@ -1,4 +1,4 @@
-"""The machinery of patch-time dry runs (used by models/probe.py): run a model on a tiny batch with every
+"""The machinery of patch-time dry runs (used by models/proof/probe.py): run a model on a tiny batch with every
 attention call through transformers' AttentionInterface replaced by a token-local stand-in, record what
 every module takes and returns (per-token fingerprints) and what each attention call passes, and
 leave the model exactly as it was: training modes, buffers, module attributes (some modules cache
@@ -19,8 +19,8 @@ from transformers import AttentionInterface
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import _compat
-from ..attention.mask_patterns import read_function
+from ... import _compat
+from ...attention.mask_patterns import read_function
 from .signatures import collect
 
 STAND_IN = "seqpar_hf_dry_run"  # the attention implementation a dry run selects
@@ -187,7 +187,7 @@ class Run:
     def __init__(self, names: dict, lengths: dict, original, full: bool, real=None):
         self.names, self.lengths, self.original, self.full = names, lengths, original, full
         # real(call, query, key) -> [b or 1, 1, s_q, s_k] mask (bool, or additive): softmax attention under
-        # it instead of the token-local stand-in (models/packed_probe.py); None: the stand-in
+        # it instead of the token-local stand-in (models/proof/packed_probe.py); None: the stand-in
         self.real = real
         self.attention: list[dict] = []  # one record per attention call
         self.masks: dict[int, tuple] = {}  # id of a mask tensor we returned -> (tensor, pattern)
@@ -264,16 +264,6 @@ def _stand_in_mask(*args, **kwargs):
 def register() -> None:
     AttentionInterface.register(STAND_IN, _stand_in_attention)
     AttentionMaskInterface.register(STAND_IN, _stand_in_mask)
-
-
-def original_function(implementation: str | None):
-    """The attention function of the model's original implementation, for calls that are token-local
-    (attention over something other than the sequence): eager's math is SDPA's."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    if implementation in (None, "eager", "sdpa") or implementation not in ALL_ATTENTION_FUNCTIONS:
-        return sdpa_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 @contextlib.contextmanager

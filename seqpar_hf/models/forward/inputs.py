@@ -10,7 +10,7 @@ Packed rows (several documents per row, no attention across them):
   are checked against the positions and consumed here). As in transformers, a row is packed when its
   positions do not simply count up; with an `attention_mask`, positions are only positions. A model whose
   own forward lets the documents of such rows attend to each other (OPT, BioGPT, the BERT-family LM
-  heads: seen at patch time, models/packed_probe.py) has them refused, before sharding.
+  heads: seen at patch time, models/proof/packed_probe.py) has them refused, before sharding.
 - encoder-decoder (seqpar_hf's convention): `position_ids` (source) and `decoder_position_ids`
   (target) restarting at 0 for each (source, target) pair; the k-th target document attends, in
   cross-attention, to the k-th source document only. Padding at the end of a row is masked as usual.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.masks import SeqMeta
-from ..parallel.layout import ParallelLayout
-from ..parallel.sharding import ShardPlan
+from ...attention.masks import SeqMeta
+from ...parallel.layout import ParallelLayout
+from ...parallel.sharding import ShardPlan
 from .context import ForwardContext
 from .default_positions import compute as default_positions_of
 
@@ -101,13 +101,13 @@ WITH_CACHE = "packed rows with use_cache on"
 
 
 def packed_kind(rows: int, flash_kwargs: bool) -> str:
-    """The kind of a packed batch, as the patch-time probe tells them apart (models/packed_probe.py)."""
+    """The kind of a packed batch, as the patch-time probe tells them apart (models/proof/packed_probe.py)."""
     return "several packed rows" if rows > 1 else \
         ("one packed row with flash-attention kwargs" if flash_kwargs else "one packed row")
 
 
 def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool, use_cache: bool) -> None:
-    """Refuse packed rows of a kind the unpatched model does not keep apart (models/packed_probe.py). With
+    """Refuse packed rows of a kind the unpatched model does not keep apart (models/proof/packed_probe.py). With
     its cache on, transformers' mask functions skip the packed-row detection: the caller's use_cache (its
     keyword, else the config's) decides which behaviour the unpatched model has."""
     why = refused.get(packed_kind(doc.shape[0], flash_kwargs)) or (refused.get(WITH_CACHE) if use_cache else None)
@@ -161,7 +161,7 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
                  packed: dict | None = None, use_cache: bool = False) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
     `default_positions`: the rule the backbone makes its own positions by when given none
-    (models/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
+    (models/forward/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
     refused for this model, and why (`ModelFamily.packed_rows`); checked on the full batch, so every
     rank raises the same error before sharding; `use_cache`: whether the caller asked for the model's cache
     (which decides how the unpatched model treats packed rows)."""
@@ -215,7 +215,7 @@ def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: 
                   keep_ids: bool = False, default_positions: str = "arange",
                   packed: dict | None = None, use_cache: bool = False) -> ForwardContext:
     """Shard an encoder-decoder backbone's inputs in place; return the forward's context (its position
-    modules get their positions from hooks, models/positions.py: `default_positions` does not apply;
+    modules get their positions from hooks, models/forward/positions.py: `default_positions` does not apply;
     nor does `packed`: packed seq2seq rows follow seqpar_hf's own convention, above)."""
     b, s_src, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
     _, s_tgt, _ = _size(kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"),

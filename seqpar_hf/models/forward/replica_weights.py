@@ -78,7 +78,7 @@ def checksums(model: torch.nn.Module, device) -> list:
 
 
 def problems(per_rank: list[list[int]]) -> list[str]:
-    """What differs among the ranks' `checksums` (read back), as `checks._problems` lists it."""
+    """What differs among the ranks' `checksums` (read back), as `checks.batch_problems` lists it."""
     out = []
     if len({r[3] for r in per_rank}) > 1:
         out.append("the number of parameters differs: " + ", ".join(

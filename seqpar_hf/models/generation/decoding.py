@@ -1,8 +1,8 @@
-"""What the attention of a patched model does while `generate` runs under SP (see `models.generation`).
+"""What the attention of a patched model does while `generate` runs under SP (see `generation/generate.py`).
 
 A `DecodeSession` lives for one `generate` call. Its sharded part (the encoder, or a decoder-only
 model's prompt) runs as an ordinary sharded forward; every later forward is a decoding step
-(`context.DecodeStep`): no sequence is sharded, the step's new tokens are replicated, and each kind of
+(`DecodeStep`): no sequence is sharded, the step's new tokens are replicated, and each kind of
 attention site does this:
 - cross-attention (decoder queries, encoder keys): the keys are this rank's shard of the encoder
   states (its cross-attention cache holds [b, h, S/sp, d]); attend locally with the local source mask
@@ -19,14 +19,25 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .. import _compat
-from ..attention import decode
-from ..parallel.layout import ParallelLayout
-from ..parallel.sharding import ShardPlan
-from .context import CONTEXT_KWARG, DecodeStep, ForwardContext
+from ... import _compat
+from ...attention import decode
+from ...parallel.layout import ParallelLayout
+from ...parallel.sharding import ShardPlan
+from ..forward.context import CONTEXT_KWARG, ForwardContext
 from .sharded_cache import SequenceShardedCache
 
 _MISSING = object()
+
+
+class DecodeStep:
+    """Per-forward metadata of one decoding step of sequence-parallel generation (no sequence is
+    sharded in it: the step's few new tokens are replicated on every rank). `source_valid`
+    [b, S_pad / sp] marks which of this rank's encoder positions are real (None: all of them), for
+    cross-attention over the sharded encoder states; decoder-only models read their keys' positions
+    from the sequence-sharded cache, `cache`."""
+
+    def __init__(self, layout: ParallelLayout, source_valid: torch.Tensor | None = None, cache=None):
+        self.layout, self.source_valid, self.cache = layout, source_valid, cache
 
 
 class DeferredMask:

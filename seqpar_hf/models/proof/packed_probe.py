@@ -1,7 +1,7 @@
 """Packed rows decided by behaviour: does the unpatched model keep the documents of a packed row apart?
 
 The patched model splits a decoder-only row into documents wherever its position_ids restart and no
-attention_mask is given (transformers' convention, models/inputs.py). Whether the unpatched model does
+attention_mask is given (transformers' convention, models/forward/inputs.py). Whether the unpatched model does
 is up to its code: Llama hands the positions to its mask function, which then separates documents; OPT,
 BioGPT and the BERT-family LM heads do not, so their documents attend to each other; under flash
 attention transformers separates them from the positions or cu_seq_lens the call gets, in a one-row
@@ -9,7 +9,7 @@ batch only. So the dry run runs the backbone on packed batches of each kind twic
 attention in place of the token-local stand-in: under the mask each call is given (what the unpatched
 model computes), and under the call's proven pattern within each document (what the patched model
 computes). Where the two differ, that kind of packed batch is refused at the forward, on every rank
-before sharding (models/inputs.py), naming the module where documents meet. Never a third behaviour.
+before sharding (models/forward/inputs.py), naming the module where documents meet. Never a third behaviour.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import inspect
 
 import torch
 
-from ..attention.masks import MaskSpec, SeqMeta
-from ..parallel.sharding import ShardPlan
+from ...attention.masks import MaskSpec, SeqMeta
+from ...parallel.sharding import ShardPlan
+from ..forward.inputs import WITH_CACHE, documents_from_positions, packed_kind
+from ..forward.sites import original_function
 from . import dryrun, probe
 from .attention_calls import call_pattern
-from .inputs import WITH_CACHE, documents_from_positions, packed_kind
 from .probe_checks import culprits, tolerance
 
 # kind of packed batch -> (rows, with flash-attention kwargs, use_cache): what DataCollatorWithFlattening gives
@@ -42,7 +43,7 @@ def _lengths(length: int, row: int) -> list[int]:
 
 
 def _batch(pretrained, length: int, rows: int, flash: bool, device) -> dict:
-    ids = probe._token_ids(pretrained, pretrained.config, length, 2, rows)
+    ids = probe.token_ids(pretrained, pretrained.config, length, 2, rows)
     docs = [_lengths(length, r) for r in range(rows)]
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])  # [rows, length]
     batch = {"input_ids": ids.to(device), "position_ids": positions.to(device)}
@@ -98,12 +99,12 @@ def _forward(backbone, kw: dict, names: dict, length: int, original, make, recor
     """The backbone's output (or, `record`: its per-module records) under softmax attention with `make`'s
     masks; an exception is returned, not raised."""
     if record:
-        recorder, _, _, err = probe._run(backbone, lambda: backbone(**kw), {length: "decoder"}, names,
-                                         dryrun.original_function(original), True, False, log_ops=False, rows=rows,
-                                         real=make)
+        recorder, _, _, err = probe.run_forward(backbone, lambda: backbone(**kw), {length: "decoder"}, names,
+                                                original_function(original), True, False, log_ops=False, rows=rows,
+                                                real=make)
         return recorder.calls if err is None else err[0]
     backbone.eval()
-    run = dryrun.Run(names, {length: "decoder"}, dryrun.original_function(original), True, make)
+    run = dryrun.Run(names, {length: "decoder"}, original_function(original), True, make)
     try:
         with dryrun.running(run), dryrun.Determinism():
             return backbone(**kw)[0]  # [rows, length, hidden]

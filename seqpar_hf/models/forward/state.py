@@ -1,7 +1,7 @@
 """Per-instance state of a patched model: its layout and structure, the settings it was patched with, the
 switches a forward reads, and the record of what `patch_model` changed (so that `unpatch_model` undoes
 exactly that). One `PatchState` per patched model, reachable from the model, its transformers model and
-its backbone; one `AttentionSite` per patched attention module.
+its backbone (each patched attention module holds its own site: `sites`).
 """
 
 from __future__ import annotations
@@ -9,23 +9,21 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from ..attention import dispatch
-from ..parallel.layout import ParallelLayout
-from ..parallel.sharding import ShardPlan
+from ...parallel.layout import ParallelLayout
+from ...parallel.sharding import ShardPlan
+from ..families import ModelFamily, pad_token_id, unwrap
 from .context import ForwardContext
-from .families import ModelFamily, pad_token_id, unwrap
 from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .rng import LayerDropSync
 
 ATTN_NAME = "seqpar_hf"  # the attention implementation a patched model's own config selects
 ATTN_DECODE_NAME = "seqpar_hf_decode"  # selected while `generate` runs under SP (same attention, deferred masks)
 _STATE = "_seqpar_state"  # on the patched model, its transformers model and its backbone
-_SITE = "_seqpar_site"  # on each patched attention module
 
 
 @dataclass(frozen=True)
 class TiledLoss:
-    """When the training loss runs the LM head in checkpointed chunks (see `seqpar_hf.models.loss`)."""
+    """When the training loss runs the LM head in checkpointed chunks (see `seqpar_hf.models.forward.loss`)."""
 
     setting: bool | str = "auto"  # True, False, or "auto": when this rank's logits would hold >= min_elements
     min_elements: int = TILED_LOSS_MIN_ELEMENTS
@@ -39,23 +37,6 @@ class Request:
 
     checked: bool = True
     use_cache: bool = False  # the caller's, before the LM forward turned the cache off (packed rows depend on it)
-
-
-class AttentionSite:
-    """One attention module of a patched model: which sequences its queries and keys come from, and the
-    pattern (causal, window) the unpatched model computes there (proven at patch time; None: from the
-    call's keywords)."""
-
-    local = False  # models/attention_calls.LocalSite: token-local calls that run as they are
-
-    def __init__(self, state: "PatchState", name: str, q_side: str, kv_side: str, pattern: tuple | None = None):
-        self.state, self.name, self.q_side, self.kv_side, self.pattern = state, name, q_side, kv_side, pattern
-
-    def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout):
-        """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        pattern = ctx.pattern(self.q_side, self.kv_side, causal, window)
-        return dispatch.attend(ctx.layout, pattern, q, k, v, scale, dropout)
 
 
 class PatchState:
@@ -76,8 +57,8 @@ class PatchState:
         self.outputs: dict[str, ShardPlan] | None = None
         self.request: Request | None = None  # handed from the LM forward to the backbone forward, one call
         self.plain_depth = 0  # > 0 while running without SP (sp_disabled, tensor-parallel generation)
-        # Sequence-parallel generation running now (`decoding.DecodeSession`), and its current decoding step
-        # (`context.DecodeStep`, for attention modules that get no kwargs from their backbone)
+        # Sequence-parallel generation running now (`generation.decoding.DecodeSession`), and its current decoding step
+        # (`generation.decoding.DecodeStep`, for attention modules that get no kwargs from their backbone)
         self.decoding = None
         self.step = None
         self.detached = False  # set by unpatch_model: wrappers someone still holds become pass-through
@@ -163,15 +144,3 @@ def detach(state: PatchState, objects) -> None:
     for obj in objects:
         if getattr(obj, _STATE, None) is state:
             delattr(obj, _STATE)
-
-
-def site_of(module) -> AttentionSite | None:
-    """The `AttentionSite` of a patched attention module (benchmarks swap its `attend`), or None."""
-    return getattr(module, _SITE, None)
-
-
-def set_site(module, site: AttentionSite | None) -> None:
-    if site is not None:
-        setattr(module, _SITE, site)
-    elif hasattr(module, _SITE):
-        delattr(module, _SITE)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import _compat
+from ... import _compat
 
 
 def gather(x: torch.Tensor, mesh) -> DTensor:

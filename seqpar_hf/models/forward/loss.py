@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.comm import group_size, group_sum
+from ...parallel.comm import group_size, group_sum
 from .labels import IGNORE_INDEX
 
 # Defaults of patch_model's tiled-loss thresholds. Tiling is on (training, "auto") when this rank's logits

@@ -1,11 +1,13 @@
-"""What the dry run's records prove (models/probe.py): which module computes on a shard something other
-than what it computes on the same tokens of the full sequence, and how to say why in a refusal."""
+"""What the dry run's records prove (models/proof/probe.py): which module computes on a shard something other
+than what it computes on the same tokens of the full sequence, and how to say why in a refusal; the loss
+convention and the LM head's post-processing (for the tiled loss) the model's own outputs show."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..forward.head import Post, TiledHead
 from .signatures import error
 
 _IGNORED_INPUTS = ("cache_position",)  # local 0..s/sp-1 on a shard by design; no module takes positions from it
@@ -124,3 +126,26 @@ def loss_convention(model: nn.Module, labels: torch.Tensor | None, out) -> str |
         return "other"
     other = errors["same" if best == "shift" else "shift"]
     return best if other > 10 * errors[best] else None  # both within rounding: the batch cannot tell
+
+
+CANDIDATES = tuple(Post(bias=b, scale=s, scaling=c, softcap=f) for c in ("divide", "multiply", None)
+                   for b in (True, False) for s in (True, False) for f in (True, False))
+
+
+def post_processing(model, hidden: torch.Tensor, logits: torch.Tensor) -> Post | None:
+    """The post-processing (models/forward/head.py) that turns the head's output on `hidden` into the
+    model's own `logits` (from the dry run), or None when no candidate does (the model is then not tiled)."""
+    module = model.get_output_embeddings()
+    if module is None or getattr(module, "weight", None) is None:
+        return None
+    with torch.no_grad():
+        for post in CANDIDATES:
+            try:
+                got = TiledHead(model, module, 1, post).logits(hidden)
+            except Exception:  # noqa: BLE001 - a candidate that does not apply
+                continue
+            if got.shape == logits.shape:
+                scale = logits.double().abs().max().clamp(min=1e-30)
+                if ((got.double() - logits.double()).abs().max() / scale).item() <= tolerance(logits.dtype):
+                    return post
+    return None

@@ -29,10 +29,10 @@ import struct
 
 import torch
 
-from .. import _compat
-from ..parallel.agree import explain_timeout
-from ..parallel.comm import all_gather_into, group_size
-from ..parallel.layout import MODES
+from ... import _compat
+from ...parallel.agree import explain_timeout
+from ...parallel.comm import all_gather_into, group_size
+from ...parallel.layout import MODES
 from . import replica_weights, validate
 from .state import ATTN_DECODE_NAME, ATTN_NAME
 
@@ -66,7 +66,7 @@ def _from_bits(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def _checksum(x: torch.Tensor) -> torch.Tensor:
+def checksum(x: torch.Tensor) -> torch.Tensor:
     """Exact, order-sensitive integer checksum (floats by their bits)."""
     flat = x.detach().contiguous().reshape(-1)
     if flat.dtype.is_floating_point:
@@ -93,7 +93,7 @@ def fingerprint(inputs: dict, settings: dict, device, call: list | None = None) 
         if isinstance(x, torch.Tensor):
             shape = list(x.shape) + [-1, -1]
             meta.append([1, _DTYPES.get(x.dtype, 99), x.dim(), shape[0], shape[1]])
-            sums.append(_checksum(x).to(device))
+            sums.append(checksum(x).to(device))
         else:
             meta.append([0] * (_SLOTS - 1))
             sums.append(None)
@@ -168,7 +168,7 @@ def check_same_batch(inputs: dict, settings: dict, group, device, extra: torch.T
     own = [v for row in everyone[_rank_in(group) if len(everyone) > 1 else 0][COMPARED:] for v in row][:extra.numel()]
     if agree(everyone):
         return own
-    problems, weights = _problems(everyone), weights_problems(everyone)
+    problems, weights = batch_problems(everyone), weights_problems(everyone)
     batch = ("ranks of one replica (the ranks that must pass the same batch: an SP group, times TP) got different "
              "batches or settings (" + "; ".join(problems) + "). Every rank of a replica must pass the same, full "
              "batch with the same arguments and model state: shard data over layout.dp_size / layout.dp_rank, not "
@@ -225,7 +225,8 @@ def _per_rank(values: list) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
-def _problems(everyone: list) -> list[str]:
+def batch_problems(everyone: list) -> list[str]:
+    """What differs between the ranks' rows (`exchange`) in the inputs and the settings, one phrase each."""
     problems = []
     for i, name in enumerate(FIELDS):
         per_rank = [rows[i] for rows in everyone]

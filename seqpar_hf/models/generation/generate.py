@@ -10,7 +10,7 @@ Every rank passes the same, full batch and the same arguments (as in training). 
   shard of every layer's K/V, and only the last position's hidden state is sent to every rank.
 Each decoding step is replicated (its new tokens, the decoder's self-attention over the short target, the
 MLPs, the head): attention over the sharded side is computed per rank and merged across the group by
-log-sum-exp (`models.decoding`, `attention.decode`). Beam search reorders the local shards.
+log-sum-exp (`decoding`, `attention.decode`). Beam search reorders the local shards.
 
 Before any collective, what is not supported is found by name and the full prompt or source is validated
 as a forward's (`validate`: ids, lengths, the position table); then ONE all-gather compares the call's
@@ -26,15 +26,15 @@ import inspect
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from .. import _compat
-from . import validate
-from .generation_check import check_same_generation
-from .context import CONTEXT_KWARG
+from ... import _compat
+from ..forward import validate
+from ..forward.context import CONTEXT_KWARG
+from ..forward.forwards import Wrapper, require_process_group
+from ..forward.inputs import shard_source
+from ..forward.state import PatchState
 from .decoding import DecodeSession
-from .forwards import _require_process_group, _Wrapper
-from .inputs import shard_source
+from .generation_check import check_same_generation
 from .sharded_cache import SequenceShardedCache
-from .state import PatchState
 
 # generate's own parameters besides the model and generation-config keywords
 _GENERATE_ARGUMENTS = ("inputs", "generation_config", "logits_processor", "stopping_criteria",
@@ -44,7 +44,7 @@ _MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
 _FIX = "; generate without SP (`with seqpar_hf.sp_disabled(model):`, each rank its own inputs) if you need it"
 
 
-class GenerateSP(_Wrapper):
+class GenerateSP(Wrapper):
     """The instance's `generate`: under SP (see the module docstring) when the layout shards sequences.
     `outer`: a wrapper's generate (PEFT) that reaches the model's own, which does the work."""
 
@@ -74,7 +74,7 @@ class GenerateSP(_Wrapper):
 def generate(state: PatchState, original, kwargs: dict):
     """Run `original` (transformers' generate, bound to the model) under SP with `kwargs` (named)."""
     model, layout = state.family.pretrained, state.layout
-    _require_process_group(layout)
+    require_process_group(layout)
     device = next(model.parameters()).device
     if kwargs.get("inputs") is not None and kwargs.get("input_ids") is None:
         kwargs["input_ids"] = kwargs.pop("inputs")

@@ -1,6 +1,6 @@
-"""The lengths of the dry run's sequences (models/probe.py), fitted to the model.
+"""The lengths of the dry run's sequences (models/proof/probe.py), fitted to the model.
 
-The dry run tells a sequence dim from the others by its size (models/signatures.py), so its lengths and
+The dry run tells a sequence dim from the others by its size (models/proof/signatures.py), so its lengths and
 the lengths of their 2-way shards must be sizes no other dim has: 25 tokens (the source of an
 encoder-decoder too) and 21 target tokens, whose shards are 13, 11, 14 and 12. They must also fit the
 model's absolute position tables: a GPT-2 with n_positions=16 cannot take 25 tokens, so its dry run is

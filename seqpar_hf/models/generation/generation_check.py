@@ -17,9 +17,9 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ..parallel.comm import group_size
-from .checks import (EXTRA_ROWS, FIELDS, GENERATE, GENERATE_ROW, _checksum, _problems, agree, call_values, exchange,
-                     fingerprint, forward_settings, weights_problems)
+from ...parallel.comm import group_size
+from ..forward.checks import (EXTRA_ROWS, FIELDS, GENERATE, GENERATE_ROW, agree, batch_problems, call_values, checksum,
+                              exchange, fingerprint, forward_settings, weights_problems)
 
 
 def _hash(text: str) -> int:
@@ -34,7 +34,7 @@ def _canonical(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
-        return {"tensor": [str(value.dtype), list(value.shape), int(_checksum(value))]}
+        return {"tensor": [str(value.dtype), list(value.shape), int(checksum(value))]}
     if isinstance(value, Mapping):
         if all(isinstance(k, str) for k in value):
             return {k: _canonical(v) for k, v in value.items()}  # json sorts them
@@ -50,7 +50,7 @@ def _canonical(value):
     return f"<{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', type(kind).__name__)}>"
 
 
-def _settings_text(settings: dict) -> str:
+def settings_text(settings: dict) -> str:
     return json.dumps(_canonical(settings), sort_keys=True)
 
 
@@ -59,16 +59,16 @@ def check_same_generation(state, inputs: dict, settings: dict, rng_state: torch.
     """Raise on every rank of `group` if their `generate` calls (or weights) differ, or if a rank is in a forward
     instead (one all-gather)."""
     others = sorted((k, v) for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in FIELDS)
-    extra = [_hash(_settings_text(settings)),
-             _hash(repr([(k, str(v.dtype), tuple(v.shape), int(_checksum(v))) for k, v in others])),
-             0 if rng_state is None else int(_checksum(rng_state)), int(refusal is not None)]
+    extra = [_hash(settings_text(settings)),
+             _hash(repr([(k, str(v.dtype), tuple(v.shape), int(checksum(v))) for k, v in others])),
+             0 if rng_state is None else int(checksum(rng_state)), int(refusal is not None)]
     call = call_values(GENERATE, state.family.pretrained, device, extra)
     rows = fingerprint(inputs, forward_settings(state, training, {}), device, call)  # what a forward sends
     mine = torch.cat([rows, rows.new_zeros(EXTRA_ROWS, rows.shape[1])])  # [COMPARED + EXTRA_ROWS, slots]
     everyone = exchange(mine, group, "in the input check at the start of generate")  # raises if in another call
     if agree(everyone):
         return
-    problems = _problems(everyone)
+    problems = batch_problems(everyone)
     last = [r[GENERATE_ROW] for r in everyone]
     if len({r[1] for r in last}) > 1:
         problems.append("other tensor arguments differ")
@@ -76,7 +76,7 @@ def check_same_generation(state, inputs: dict, settings: dict, rng_state: torch.
         problems.append(f"refused on ranks {[k for k, r in enumerate(last) if r[3]]} only ({refusal or 'not here'})")
     elif len({r[0] for r in last}) > 1:  # every rank is here: name the settings that differ
         every = [None] * group_size(group)
-        dist.all_gather_object(every, json.loads(_settings_text(settings)), group=group)
+        dist.all_gather_object(every, json.loads(settings_text(settings)), group=group)
         keys = sorted(k for k in set().union(*every) if len({json.dumps(e.get(k), sort_keys=True) for e in every}) > 1)
         problems.append("generation settings differ: " + ", ".join(
             f"{k} {[e.get(k) for e in every]}" for k in keys[:8]))

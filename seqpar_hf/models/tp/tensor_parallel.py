@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from ..families import ModelFamily
 from . import regather
-from .families import ModelFamily
 
 # transformers' plan strings this module implements (others are refused, naming the entry)
 _COLWISE, _ROWWISE, _REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"
@@ -104,7 +104,7 @@ class _SliceSequence:
         return (local, *args[1:]), kwargs
 
 
-class _AllReduceGrad:
+class AllReduceGrad:
     """Gradient hook of a replicated parameter used on the rank's heads only (q/k norms): sum over TP."""
 
     def __init__(self, group):
@@ -135,7 +135,7 @@ def _layer_stacks(family: ModelFamily):
     return [s for s in family.layer_stacks if isinstance(getattr(s, "layers", None), nn.ModuleList)]
 
 
-def _decoder_only_plan(family: ModelFamily, group) -> dict:
+def decoder_only_plan(family: ModelFamily, group) -> dict:
     """Plan for a decoder-only backbone from transformers' `base_model_tp_plan`, with the sequence-
     parallel norm regions added."""
     config = family.pretrained.config
@@ -162,7 +162,7 @@ def check(family: ModelFamily, layout) -> None:
     tp = layout.sizes.tp_size
     _check_sizes(family, tp, layout.ulysses_size)
     if family.kind == "causal":
-        _decoder_only_plan(family, None)
+        decoder_only_plan(family, None)
     else:
         for stack in _layer_stacks(family):
             for layer in stack.layers:
@@ -183,7 +183,7 @@ def parallelize(family: ModelFamily, layout) -> None:
         return isinstance(module, norm_types) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
     if family.kind == "causal":
-        plan = _decoder_only_plan(family, layout.tp_group)
+        plan = decoder_only_plan(family, layout.tp_group)
         parallelize_module(backbone, mesh, plan, src_data_rank=None)
         embed = backbone.get_input_embeddings()
         parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -200,7 +200,7 @@ def parallelize(family: ModelFamily, layout) -> None:
                 for name, module in backbone.named_modules():
                     if _matches(name, key):
                         for p in module.parameters():
-                            p.register_hook(_AllReduceGrad(layout.tp_group))
+                            p.register_hook(AllReduceGrad(layout.tp_group))
     else:
         for stack in stacks:
             for layer in stack.layers:

@@ -2,7 +2,7 @@
 identically on every rank (no process group), leaving the model, its RNG streams and caches as they were.
 
 1. The full run: the language model's own forward on the whole batch, every attention call through
-   transformers' AttentionInterface replaced by a token-local stand-in (models/dryrun.py). It shows
+   transformers' AttentionInterface replaced by a token-local stand-in (models/proof/dryrun.py). It shows
    which module the forward runs as its backbone (the one module it calls that holds every attention
    call), what each attention call passes (its keywords, the mask pattern it is given, which sequence
    its queries and keys come from), and the model's own logits for the tiled-loss check.
@@ -12,8 +12,8 @@ identically on every rank (no process group), leaving the model, its RNG streams
    tokens of the full sequence; the innermost module that does not (its inputs agree, its outputs do
    not) mixes tokens outside attention (a convolution, a scan, a recurrence, attention written by hand,
    positions made from the whole batch): the model is refused, naming it.
-3. The packed runs (models/packed_probe.py): whether the model keeps the documents of packed rows apart.
-The sequence lengths fit the model's position tables (models/probe_sizes.py).
+3. The packed runs (models/proof/packed_probe.py): whether the model keeps the documents of packed rows apart.
+The sequence lengths fit the model's position tables (models/proof/probe_sizes.py).
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .. import _compat
-from ..parallel.sharding import ShardPlan
-from . import dryrun, positions as positions_, probe_sizes
-from .context import CONTEXT_KWARG
-from .inputs import shard_causal, shard_seq2seq
+from ... import _compat
+from ...parallel.sharding import ShardPlan
+from ..forward import positions as positions_
+from ..forward.context import CONTEXT_KWARG
+from ..forward.inputs import shard_causal, shard_seq2seq
+from ..forward.sites import original_function
+from . import dryrun, probe_sizes
 from .probe_checks import Refusal, culprits, describe_culprit, loss_convention, tolerance
 
-BATCH, LEFT_PAD = 2, 3  # the lengths: models/probe_sizes.py (25 and 21 tokens where the position tables allow)
+BATCH, LEFT_PAD = 2, 3  # the lengths: models/proof/probe_sizes.py (25 and 21 tokens where the position tables allow)
 
 
 @dataclass
@@ -60,7 +62,7 @@ def _sim_layout(rank: int, ring: bool) -> _Layout:
     return _Layout(sp_size=2, sp_rank=rank, sizes=SimpleNamespace(ring_size=2 if ring else 1, tp_size=1))
 
 
-def _token_ids(model, config, length: int, seed: int, rows: int = BATCH) -> torch.Tensor:
+def token_ids(model, config, length: int, seed: int, rows: int = BATCH) -> torch.Tensor:
     """[rows, length] ordinary token ids: none of the config's special or modality ids."""
     vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config.get_text_config().vocab_size
     special = set()
@@ -75,13 +77,13 @@ def _token_ids(model, config, length: int, seed: int, rows: int = BATCH) -> torc
 
 def _batch(model, config, kind: str, pad_id: int, device, sizes: probe_sizes.Sizes) -> dict:
     """Row 1 of the source (causal: of the sequence) left-padded by LEFT_PAD tokens."""
-    ids = _token_ids(model, config, sizes.causal, 0)
+    ids = token_ids(model, config, sizes.causal, 0)
     mask = torch.ones_like(ids)
     mask[1, :LEFT_PAD] = 0
     ids[mask == 0] = pad_id
     batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
     if kind == "seq2seq":
-        batch["decoder_input_ids"] = _token_ids(model, config, sizes.target, 1).to(device)
+        batch["decoder_input_ids"] = token_ids(model, config, sizes.target, 1).to(device)
     return batch
 
 
@@ -91,8 +93,8 @@ def _named(forward, args: tuple, kwargs: dict) -> dict:
     return {**dict(zip(params, args)), **kwargs}
 
 
-def _run(root: nn.Module, call, lengths: dict, names: dict, original, full: bool, training: bool, log_ops: bool,
-         rows: int = BATCH, real=None):
+def run_forward(root: nn.Module, call, lengths: dict, names: dict, original, full: bool, training: bool,
+                log_ops: bool, rows: int = BATCH, real=None):
     """One forward of `root` under the stand-in attention (`real`: softmax attention under the masks it
     makes, dryrun.Run): (recorder, run, output, error)."""
     root.train(training)
@@ -132,10 +134,9 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
     try:
         pretrained.set_attn_implementation(dryrun.STAND_IN)
         for given in ((labels, None) if labels is not None else (None,)):
-            recorder, run, out, error = _run(pretrained, lambda: pretrained(**kwargs, **({"labels": given} if given
-                                                                                           is not None else {})),
-                                             lengths, names, dryrun.original_function(original), True, False,
-                                             log_ops=False)
+            recorder, run, out, error = run_forward(pretrained, lambda: pretrained(**kwargs, **(
+                {"labels": given} if given is not None else {})), lengths, names, original_function(original), True,
+                False, log_ops=False)
             if error is None:
                 labels = given
                 break
@@ -195,15 +196,15 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
     recorder, batch, lengths, backbone_kwargs = observed.full
     backbone, prefix = observed.backbone, observed.backbone_name
     names = {m: n for n, m in backbone.named_modules(remove_duplicate=False)}
-    fn = dryrun.original_function(original)
+    fn = original_function(original)
     shard = shard_seq2seq if kind == "seq2seq" else shard_causal
     params = inspect.signature(backbone.forward).parameters
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
     dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
     for training in (False, True):
         if training:  # the full run again, in training mode (capacity-limited routing, batch statistics, ...)
-            recorder, _, _, error = _run(backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn, True,
-                                         True, log_ops=False)
+            recorder, _, _, error = run_forward(backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn,
+                                                True, True, log_ops=False)
             full_calls = recorder.calls
             if error is not None:
                 raise Refusal(_path(prefix, error[1][-1] if error[1] else ""), "fails in a training-mode forward on a "
@@ -224,8 +225,8 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
             hooks = positions_.install(state, SimpleNamespace(positions=family_positions), pad_id)
             local = {meta.plan.local_length: side for side, meta in ctx.seqs.items()}
             try:
-                shard_rec, _, _, error = _run(backbone, lambda: backbone(**kw), local, names, fn, False, training,
-                                              log_ops=True)
+                shard_rec, _, _, error = run_forward(backbone, lambda: backbone(**kw), local, names, fn, False,
+                                                     training, log_ops=True)
             finally:
                 for h in hooks:
                     h.remove()

@@ -1,4 +1,4 @@
-"""`prove`: the model's family as the dry run shows it (models/probe.py), inside one context that leaves
+"""`prove`: the model's family as the dry run shows it (probe.py), inside one context that leaves
 the model as it was. Every decision here comes from what the model's code did on the dry-run batch:
 which module is the backbone, which modules attend and how, which positions the backbone makes itself,
 what the forward does after the LM head, whether it keeps the documents of packed rows apart, and (when
@@ -11,16 +11,15 @@ import time
 
 import torch
 
+from ..families import AttentionModule, ModelFamily
+from ..forward.default_positions import RULES, compute
+from ..forward.sites import original_function
+from ..tp.tp_checks import layer_inputs
 from . import dryrun, packed_probe, probe
 from .attention_calls import site_records
-from .default_positions import RULES, compute
-from .families import AttentionModule, ModelFamily, structure
-from .head import post_processing
-from .probe_checks import Refusal, tolerance
+from .probe_checks import Refusal, post_processing, tolerance
 from .signatures import error
-from .tp_checks import layer_inputs
-
-__all__ = ["prove", "Refusal"]
+from .structure import structure
 
 
 def _valid(batch: dict, kind: str) -> dict:
@@ -66,7 +65,7 @@ def _check_loss(convention: str | None, kind: str) -> None:
 
 
 def choose_default_positions(observed, pad_id: int, original: str | None) -> str:
-    """The rule (models/default_positions.py) the causal backbone follows when given no positions: the
+    """The rule (models/forward/default_positions.py) the causal backbone follows when given no positions: the
     first whose explicit positions reproduce the full run's backbone output; Refusal if none does."""
     recorder, batch, lengths, kwargs = observed.full
     if kwargs.get("position_ids") is not None or \
@@ -80,8 +79,8 @@ def choose_default_positions(observed, pad_id: int, original: str | None) -> str
     for rule in RULES:
         pos = compute(rule, ids, mask, probe.BATCH, observed.sizes.causal, pad_id, ids.device)
         pos = torch.arange(observed.sizes.causal, device=ids.device).unsqueeze(0) if pos is None else pos
-        rec, _, _, err = probe._run(backbone, lambda: backbone(**{**kwargs, "position_ids": pos}), lengths, names,
-                                    dryrun.original_function(original), True, False, log_ops=False)
+        rec, _, _, err = probe.run_forward(backbone, lambda: backbone(**{**kwargs, "position_ids": pos}), lengths,
+                                           names, original_function(original), True, False, log_ops=False)
         if err is not None:
             continue
         got = rec.calls[""][0]["out"]

@@ -1,5 +1,5 @@
 """Per-token fingerprints of the tensors a module takes and returns in a dry run, so that the full
-sequence's run and a shard's run can be compared token by token (models/probe.py).
+sequence's run and a shard's run can be compared token by token (models/proof/probe.py).
 
 A tensor's sequence dim is the first of dims 1, 2, 0, 3, ... whose size is a sequence length of the run
 (or batch x length at dim 0: tokens flattened, as MoE routers do). Everything else at one token is

@@ -4,8 +4,8 @@ applied chunk by chunk by `loss.tiled_token_loss_sum`.
 
 What the forward does after the head differs by model (a bias; a scale that Cohere multiplies by,
 Granite divides by and HyperCLOVA X multiplies by under the same config name; soft-capping). It is not
-guessed: at patch time (`post_processing`) the candidates are tried against the model's own logits in
-the dry run, and a model none of them reproduces is not tiled.
+guessed: at patch time the candidates are tried against the model's own logits in the dry run
+(`proof/probe_checks.post_processing`), and a model none of them reproduces is not tiled.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .probe_checks import tolerance
 from .state import PatchState
 
 
@@ -94,26 +93,3 @@ class TiledHead:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-
-CANDIDATES = tuple(Post(bias=b, scale=s, scaling=c, softcap=f) for c in ("divide", "multiply", None)
-                   for b in (True, False) for s in (True, False) for f in (True, False))
-
-
-def post_processing(model, hidden: torch.Tensor, logits: torch.Tensor) -> Post | None:
-    """The post-processing that turns the head's output on `hidden` into the model's own `logits` (from
-    the dry run), or None when no candidate does (the model is then not tiled)."""
-    module = model.get_output_embeddings()
-    if module is None or getattr(module, "weight", None) is None:
-        return None
-    with torch.no_grad():
-        for post in CANDIDATES:
-            try:
-                got = TiledHead(model, module, 1, post).logits(hidden)
-            except Exception:  # noqa: BLE001 - a candidate that does not apply
-                continue
-            if got.shape == logits.shape:
-                scale = logits.double().abs().max().clamp(min=1e-30)
-                if ((got.double() - logits.double()).abs().max() / scale).item() <= tolerance(logits.dtype):
-                    return post
-    return None

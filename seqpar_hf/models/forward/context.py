@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.masks import MaskSpec, SeqMeta, check_window
-from ..attention.pattern import Pattern
-from ..parallel.layout import ParallelLayout
+from ...attention.masks import MaskSpec, SeqMeta, check_window
+from ...attention.pattern import Pattern
+from ...parallel.layout import ParallelLayout
 
 CONTEXT_KWARG = "seqpar_ctx"  # the keyword argument that carries the context to the attention function
 
@@ -38,14 +38,3 @@ class ForwardContext:
         if key not in self.patterns:
             self.patterns[key] = Pattern(MaskSpec(self.seqs[q_side], self.seqs[kv_side], causal, key[3]))
         return self.patterns[key]
-
-
-class DecodeStep:
-    """Per-forward metadata of one decoding step of sequence-parallel generation (no sequence is
-    sharded in it: the step's few new tokens are replicated on every rank). `source_valid`
-    [b, S_pad / sp] marks which of this rank's encoder positions are real (None: all of them), for
-    cross-attention over the sharded encoder states; decoder-only models read their keys' positions
-    from the sequence-sharded cache, `cache`."""
-
-    def __init__(self, layout: ParallelLayout, source_valid: torch.Tensor | None = None, cache=None):
-        self.layout, self.source_valid, self.cache = layout, source_valid, cache

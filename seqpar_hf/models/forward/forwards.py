@@ -11,7 +11,7 @@
   flows one way, the backbone never reports back. Without labels it returns what the unpatched model does.
 While `generate` runs under SP (`models.generation`), a decoder-only model's first forward (the prompt)
 is sharded like any other and returns only its last position; every later forward is a decoding step
-that shards nothing (`models.decoding`).
+that shards nothing (`models.generation.decoding`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ..parallel import announce
-from ..parallel.comm import gather_sequence as gather_full
-from ..parallel.layout import ParallelLayout
+from ...parallel import announce
+from ...parallel.comm import gather_sequence as gather_full
+from ...parallel.layout import ParallelLayout
+from ..tp import tensor_parallel
 from . import labels as labels_
-from . import tensor_parallel
 from .checks import check_forward
 from .context import CONTEXT_KWARG, ForwardContext
 from .head import TiledHead
@@ -41,7 +41,7 @@ _SEQUENCE_OUTPUTS = ("last_hidden_state", "hidden_states", "decoder_hidden_state
                      "encoder_hidden_states")
 
 
-class _Wrapper:
+class Wrapper:
     """Base of the instance-level wrappers: keeps the wrapped callable, its signature and its name."""
 
     def __init__(self, state: PatchState, original):
@@ -65,13 +65,14 @@ def _device(kwargs: dict, module) -> torch.device:
                 next(module.parameters()).device)
 
 
-def _require_process_group(layout: ParallelLayout) -> None:
+def require_process_group(layout: ParallelLayout) -> None:
+    """Raise, naming the fix, when the process group a patched model runs on is gone."""
     if not dist.is_initialized():
         raise RuntimeError(f"this model is patched for sequence parallelism ({layout}) but no process group is "
                            "initialised any more; call seqpar_hf.unpatch_model(model) to use it in one process")
 
 
-class BackboneForward(_Wrapper):
+class BackboneForward(Wrapper):
     """The backbone's forward: shard the full batch, run the layers, gather (or keep) the outputs."""
 
     announced = False  # the first sharded forward's lengths are logged once (parallel/announce.py)
@@ -90,7 +91,7 @@ class BackboneForward(_Wrapper):
         request = state.take_request()  # a language-model forward's, for this call only
         layout, family = state.layout, state.family
         if layout.replica_size > 1:
-            _require_process_group(layout)
+            require_process_group(layout)
             if not (request is not None and request.checked):  # fingerprint, then the full batch's validation
                 # generate compared its inputs across the group already: the prompt's forward validates only
                 check_forward(state, kwargs, family.backbone.training, _device(kwargs, family.backbone),
@@ -186,7 +187,7 @@ def _last_position(x: torch.Tensor, plan, group) -> torch.Tensor:
     return out
 
 
-class LMForward(_Wrapper):
+class LMForward(Wrapper):
     """The language model's forward: with labels, this rank's shard of the logits and the group's loss."""
 
     def __call__(self, *args, **kwargs):
@@ -205,7 +206,7 @@ class LMForward(_Wrapper):
         layout, family = state.layout, state.family
         model = family.pretrained
         if layout.replica_size > 1:  # before any error of this rank alone: fingerprint, then validation
-            _require_process_group(layout)
+            require_process_group(layout)
             check_forward(state, kwargs, model.training, _device(kwargs, model), labels, shift_labels, num_items,
                           label_smoothing, lm_loss=True)
         if kwargs.get("logits_to_keep", 0) not in (0, None):

@@ -1,0 +1,74 @@
+"""What a model's config and module tree show before any dry run: attention that spans the whole
+sequence by construction (relative position biases, ALiBi, soft-capping, chunked attention, learned
+sinks) is refused; the backbone's position modules and layer stacks are found (models/families.py), and
+position modules that cannot be given global positions are refused. Every refusal names the value, why,
+and the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from ..families import PositionModule
+
+
+def _refuse(name: str, why: str, fix: str):
+    raise ValueError(f"seqpar_hf cannot shard {name}: {why}. {fix}")
+
+
+def check_structure(model: nn.Module, config, name: str) -> None:
+    """Refuse attention that spans the whole sequence by construction, read off the config and the modules."""
+    if any(hasattr(m, "relative_attention_bias") for m in model.modules()) or \
+            getattr(config, "relative_attention_num_buckets", None) is not None:
+        _refuse(name, "its attention adds a relative position bias computed from the whole query-key distance "
+                      "matrix, which no rank holds under sequence parallelism",
+                "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work")
+    if getattr(config, "alibi", False) or \
+            getattr(config, "position_embedding_type", "absolute") not in ("absolute", "rope", None):
+        _refuse(name, "its attention uses ALiBi or relative-key position biases that span the whole sequence",
+                "Use a model with rotary or absolute positions")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) has no "
+                      "sharded kernel here", "Set config.attn_logit_softcapping = None before patching (Gemma 2 "
+                                              "trains well without it), or train without sequence parallelism")
+    if getattr(config, "attention_chunk_size", None):
+        _refuse(name, f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
+                "Set config.attention_chunk_size = None to train with full attention")
+    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules()):
+        _refuse(name, "its attention has learned sinks, which the sharded kernels here do not take",
+                "Train it without sequence parallelism")
+
+
+def _positions(backbone: nn.Module, kind: str, name: str, encoder) -> list[PositionModule]:
+    found = []
+    for path, module in backbone.named_modules():
+        side = "encoder" if encoder is not None and _inside(module, encoder) else "decoder"
+        cls = type(module).__name__
+        if cls.endswith("RotaryEmbedding"):
+            found.append(PositionModule(side, module, "rotary"))
+        elif path.endswith("embed_positions"):
+            params = inspect.signature(module.forward).parameters
+            if "position_ids" in params:
+                found.append(PositionModule(side, module, "ids"))
+            elif cls.startswith(("M2M100", "NllbMoe")) and hasattr(module, "weights"):
+                found.append(PositionModule(side, module, "m2m100"))
+            else:
+                _refuse(name, f"its position embedding {path} ({cls}) does not take position ids, so shards "
+                              "cannot be given their global positions", "Use a model whose positions are rotary or "
+                                                                         "looked up by position id")
+    return found
+
+
+def _inside(module: nn.Module, ancestor: nn.Module) -> bool:
+    return any(m is module for m in ancestor.modules())
+
+
+def structure(pretrained, kind: str, backbone) -> tuple[list[PositionModule], list[nn.Module]]:
+    """The position modules and layer stacks of the backbone the dry run found; refuses position modules
+    that cannot get global positions."""
+    encoder = backbone.get_encoder() if kind == "seq2seq" and hasattr(backbone, "get_encoder") else None
+    positions = _positions(backbone, kind, type(pretrained).__name__, encoder)
+    stacks = [m for m in backbone.modules() if hasattr(m, "layers") and isinstance(m.layers, nn.ModuleList)]
+    return positions, stacks
