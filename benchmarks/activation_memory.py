@@ -11,7 +11,8 @@ activations per transformer layer (Korthikanti et al. 2022, arXiv 2205.05198):
 34 s b h counts a GPT layer with 4h MLP and dropout masks; 5 a s^2 b is the stored attention matrix,
 which SDPA / flash attention never keeps, so the "no s^2" column (34 s b h * 2 / sp) is the closer one.
 
-    python -m benchmarks.activation_memory                 # 512-2048 tokens, ~3 min on 2 CPU cores (4096: 4 processes exceed 24 GB)
+    python -m benchmarks.activation_memory                 # 512-2048 tokens, ~3 min on 2 CPU cores
+                                                           # (4096: 4 processes exceed 24 GB)
     python -m benchmarks.activation_memory --quick         # 64 / 128 tokens, < 1 min
     python -m benchmarks.activation_memory --seq-lens 4096 --models llama-gqa --sp 2 4
 
@@ -65,8 +66,9 @@ def megatron_bytes(spec, seq_len: int, sp: int, batch: int = 1) -> tuple[float, 
     return 2 * spec.attention_layers * per_layer_fp16, 2 * spec.attention_layers * no_s2_fp16
 
 
-def _worker(models: list[str], seq_lens: list[int], layouts: list[tuple[int, str, int | None]],
-            sp1_threads: int) -> list[dict]:
+def _worker(
+    models: list[str], seq_lens: list[int], layouts: list[tuple[int, str, int | None]], sp1_threads: int
+) -> list[dict]:
     rank = dist.get_rank()
     # creating a layout is collective (new_group): every rank builds every layout, in the same order
     single = seqpar_hf.ParallelLayout(1)
@@ -85,8 +87,17 @@ def _worker(models: list[str], seq_lens: list[int], layouts: list[tuple[int, str
                 else:
                     per_rank = [nbytes]
                 if rank == 0:
-                    records.append({"model": name, "mode": mode, "sp": sp, "ring_size": ring, "seq_len": seq_len,
-                                    "saved_bytes_per_rank": max(per_rank), "saved_bytes_ranks": per_rank})
+                    records.append(
+                        {
+                            "model": name,
+                            "mode": mode,
+                            "sp": sp,
+                            "ring_size": ring,
+                            "seq_len": seq_len,
+                            "saved_bytes_per_rank": max(per_rank),
+                            "saved_bytes_ranks": per_rank,
+                        }
+                    )
 
         if rank == 0:  # sp=1 alone: the other processes wait at the barrier below without using a core
             torch.set_num_threads(sp1_threads)
@@ -126,7 +137,9 @@ def analyse(records: list[dict]) -> list[dict]:
         ref = base.get((r["model"], r["seq_len"]))
         r["ratio_to_sp1"] = r["saved_bytes_per_rank"] / ref if ref else None
         r["target_ratio"] = TARGET_SLACK / r["sp"] if r["sp"] > 1 else 1.0
-        r["meets_target"] = None if r["ratio_to_sp1"] is None or r["sp"] == 1 else r["ratio_to_sp1"] <= r["target_ratio"]
+        r["meets_target"] = (
+            None if r["ratio_to_sp1"] is None or r["sp"] == 1 else r["ratio_to_sp1"] <= r["target_ratio"]
+        )
     order = {m: i for i, m in enumerate(("unpatched", "sp1", "ulysses", "ring", "hybrid"))}
     return sorted(records, key=lambda r: (r["model"], r["seq_len"], r["sp"], order[r["mode"]]))
 
@@ -134,22 +147,45 @@ def analyse(records: list[dict]) -> list[dict]:
 def report(records: list[dict]) -> str:
     rows = []
     for r in records:
-        rows.append({**r, "mode_s": r["mode"] + (f" (ring {r['ring_size']})" if r["mode"] == "hybrid" else ""),
-                     "saved": fmt_bytes(r["saved_bytes_per_rank"]),
-                     "mega": fmt_bytes(r["megatron_fp32_bytes"]), "mega2": fmt_bytes(r["megatron_fp32_no_s2_bytes"]),
-                     "ratio": "-" if r["ratio_to_sp1"] is None else f"{r['ratio_to_sp1']:.3f}",
-                     "target": f"{r['target_ratio']:.3f}",
-                     "ok": {None: "-", True: "yes", False: "NO"}[r["meets_target"]]})
-    return table(rows, [("model", "model"), ("seq_len", "seq_len"), ("mode", "mode_s"), ("sp", "sp"),
-                        ("saved / rank", "saved"), ("Megatron fp32", "mega"), ("Megatron fp32, no s^2", "mega2"),
-                        ("saved / saved(sp=1)", "ratio"), ("target 1.10/sp", "target"), ("meets", "ok")])
+        rows.append(
+            {
+                **r,
+                "mode_s": r["mode"] + (f" (ring {r['ring_size']})" if r["mode"] == "hybrid" else ""),
+                "saved": fmt_bytes(r["saved_bytes_per_rank"]),
+                "mega": fmt_bytes(r["megatron_fp32_bytes"]),
+                "mega2": fmt_bytes(r["megatron_fp32_no_s2_bytes"]),
+                "ratio": "-" if r["ratio_to_sp1"] is None else f"{r['ratio_to_sp1']:.3f}",
+                "target": f"{r['target_ratio']:.3f}",
+                "ok": {None: "-", True: "yes", False: "NO"}[r["meets_target"]],
+            }
+        )
+    return table(
+        rows,
+        [
+            ("model", "model"),
+            ("seq_len", "seq_len"),
+            ("mode", "mode_s"),
+            ("sp", "sp"),
+            ("saved / rank", "saved"),
+            ("Megatron fp32", "mega"),
+            ("Megatron fp32, no s^2", "mega2"),
+            ("saved / saved(sp=1)", "ratio"),
+            ("target 1.10/sp", "target"),
+            ("meets", "ok"),
+        ],
+    )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["marian-base", "llama-gqa"], choices=sorted(MODELS))
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[512, 1024, 2048],
-                   help="full sequence lengths (Marian: source and target each), batch 1")
+    p.add_argument(
+        "--seq-lens",
+        nargs="+",
+        type=int,
+        default=[512, 1024, 2048],
+        help="full sequence lengths (Marian: source and target each), batch 1",
+    )
     p.add_argument("--sp", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--modes", nargs="+", default=["ulysses", "ring", "hybrid"], choices=["ulysses", "ring", "hybrid"])
     p.add_argument("--sp1-threads", type=int, default=2, help="torch threads of the sp=1 runs (default: both cores)")
@@ -163,17 +199,21 @@ def main(argv=None):
 
     layouts = layouts_for(args.sp, args.modes)
     world = max([1] + [sp for sp, _, _ in layouts])
-    print(f"# activation memory: saved-for-backward bytes per rank, fp32, batch 1, forward only\n"
-          f"{environment()}; {world} gloo process(es), 1 torch thread each (sp=1: rank 0 alone, "
-          f"{args.sp1_threads} threads)\n")
+    print(
+        f"# activation memory: saved-for-backward bytes per rank, fp32, batch 1, forward only\n"
+        f"{environment()}; {world} gloo process(es), 1 torch thread each (sp=1: rank 0 alone, "
+        f"{args.sp1_threads} threads)\n"
+    )
     records = []
     for name in args.models:  # one spawn per model: memory is returned to the system in between
         records += spawn(_worker, world, [name], args.seq_lens, layouts, args.sp1_threads, timeout=3600)[0]
     records = analyse(records)
     print(report(records))
-    print("\nMegatron columns: all layers (Marian: 6 encoder + 6 decoder; its cross-attention is not in the "
-          "formula), fp16 formula x 2 for fp32. Measured includes embeddings and the loss (fp32 log-softmax "
-          "of [s/sp, vocab]).")
+    print(
+        "\nMegatron columns: all layers (Marian: 6 encoder + 6 decoder; its cross-attention is not in the "
+        "formula), fp16 formula x 2 for fp32. Measured includes embeddings and the loss (fp32 log-softmax "
+        "of [s/sp, vocab])."
+    )
     publish("activation_memory", records, args)
 
 

@@ -36,8 +36,10 @@ def _kernel_only(case: dict, n: int, rank: int):
     split = split_heads(case["heads"], case["kv_heads"], n)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, split.q_sizes[rank], case["seq_len"], case["head_dim"], generator=g).requires_grad_()
-    k, v = (torch.randn(1, split.kv_sizes[rank], case["seq_len"], case["head_dim"], generator=g).requires_grad_()
-            for _ in range(2))
+    k, v = (
+        torch.randn(1, split.kv_sizes[rank], case["seq_len"], case["head_dim"], generator=g).requires_grad_()
+        for _ in range(2)
+    )
     grad = torch.randn_like(q)
     kv_for_q = split.kv_for_q[rank]
     if kv_for_q is None and q.shape[1] != k.shape[1]:
@@ -48,6 +50,7 @@ def _kernel_only(case: dict, n: int, rank: int):
         kernels.unmasked(q, k, v, case["causal"], case["scale"], kv_for_q).backward(grad)
         for t in (q, k, v):
             t.grad = None
+
     return run
 
 
@@ -59,7 +62,7 @@ def measure(case: dict, warmup: int, reps: int) -> dict:
 
     def shard(h):
         full = torch.randn(1, case["seq_len"], h, case["head_dim"], generator=g)
-        return full[:, rank * s_loc:(rank + 1) * s_loc].contiguous().requires_grad_()
+        return full[:, rank * s_loc : (rank + 1) * s_loc].contiguous().requires_grad_()
 
     q, k, v = shard(case["heads"]), shard(case["kv_heads"]), shard(case["kv_heads"])
     grad = shard(case["heads"]).detach()
@@ -75,14 +78,20 @@ def measure(case: dict, warmup: int, reps: int) -> dict:
     names, per_call = list(calls), calls_per_timing(case["seq_len"])
     times = {name: [] for name in names}
     for i in range(warmup + reps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             t = timed(lambda name=name: [calls[name]() for _ in range(per_call)]) / per_call
             if i >= warmup:
                 times[name].append(t)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    out = {"sp": n, **{key: val for key, val in case.items() if key != "scale"}, "rounds": reps,
-           "calls_per_timing": per_call, "time_s": med, "refused": refused,
-           "exchange_share": {name: 1 - med["kernel"] / med[name] for name in runs}}
+    out = {
+        "sp": n,
+        **{key: val for key, val in case.items() if key != "scale"},
+        "rounds": reps,
+        "calls_per_timing": per_call,
+        "time_s": med,
+        "refused": refused,
+        "exchange_share": {name: 1 - med["kernel"] / med[name] for name in runs},
+    }
     if "deepspeed" in runs:
         out["ours_vs_deepspeed"] = statistics.median(a / b for a, b in zip(times["seqpar_hf"], times["deepspeed"]))
     return out
@@ -92,8 +101,14 @@ def _worker(cfg: dict) -> list[dict]:
     records = []
     for kv in cfg["kv_heads"]:
         for seq_len in cfg["seq_lens"]:
-            case = {"seq_len": seq_len, "heads": cfg["heads"], "kv_heads": kv, "head_dim": cfg["head_dim"],
-                    "causal": True, "scale": cfg["head_dim"] ** -0.5}
+            case = {
+                "seq_len": seq_len,
+                "heads": cfg["heads"],
+                "kv_heads": kv,
+                "head_dim": cfg["head_dim"],
+                "causal": True,
+                "scale": cfg["head_dim"] ** -0.5,
+            }
             records.append(measure(case, cfg["warmup"], cfg["reps"]))
     return records if dist.get_rank() == 0 else []
 
@@ -102,18 +117,39 @@ def report(records: list[dict]) -> str:
     rows = []
     for r in records:
         t, share = r["time_s"], r["exchange_share"]
-        rows.append({"sp": r["sp"], "kv": r["kv_heads"], "s": r["seq_len"], "k": f"{1e3 * t['kernel']:.2f}",
-                     "o": f"{1e3 * t['seqpar_hf']:.2f}", "os": f"{100 * share['seqpar_hf']:.0f}%",
-                     "d": f"{1e3 * t['deepspeed']:.2f}" if "deepspeed" in t else "-",
-                     "ds": f"{100 * share['deepspeed']:.0f}%" if "deepspeed" in share else "-",
-                     "e": f"{(t['seqpar_hf'] - t['kernel']) / (t['deepspeed'] - t['kernel']):.2f}"
-                          if "deepspeed" in t else "-",
-                     "r": f"{r['ours_vs_deepspeed']:.3f}" if "ours_vs_deepspeed" in r else
-                          "; ".join(r["refused"].values()) or "-"})
-    return table(rows, [("sp", "sp"), ("kv heads", "kv"), ("tokens", "s"), ("kernel ms", "k"),
-                        ("ours ms", "o"), ("ours: exchange share", "os"), ("DeepSpeed ms", "d"),
-                        ("DeepSpeed: exchange share", "ds"), ("exchange: ours / DeepSpeed", "e"),
-                        ("ours / DeepSpeed (median of rounds)", "r")])
+        rows.append(
+            {
+                "sp": r["sp"],
+                "kv": r["kv_heads"],
+                "s": r["seq_len"],
+                "k": f"{1e3 * t['kernel']:.2f}",
+                "o": f"{1e3 * t['seqpar_hf']:.2f}",
+                "os": f"{100 * share['seqpar_hf']:.0f}%",
+                "d": f"{1e3 * t['deepspeed']:.2f}" if "deepspeed" in t else "-",
+                "ds": f"{100 * share['deepspeed']:.0f}%" if "deepspeed" in share else "-",
+                "e": f"{(t['seqpar_hf'] - t['kernel']) / (t['deepspeed'] - t['kernel']):.2f}"
+                if "deepspeed" in t
+                else "-",
+                "r": f"{r['ours_vs_deepspeed']:.3f}"
+                if "ours_vs_deepspeed" in r
+                else "; ".join(r["refused"].values()) or "-",
+            }
+        )
+    return table(
+        rows,
+        [
+            ("sp", "sp"),
+            ("kv heads", "kv"),
+            ("tokens", "s"),
+            ("kernel ms", "k"),
+            ("ours ms", "o"),
+            ("ours: exchange share", "os"),
+            ("DeepSpeed ms", "d"),
+            ("DeepSpeed: exchange share", "ds"),
+            ("exchange: ours / DeepSpeed", "e"),
+            ("ours / DeepSpeed (median of rounds)", "r"),
+        ],
+    )
 
 
 def main(argv=None):
@@ -130,14 +166,23 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.world, args.seq_lens, args.kv_heads, args.reps = [2], [256, 512], [2], 5
-    print(f"# Ulysses attention: kernel vs exchange, fp32, batch 1, causal\n{environment()}; "
-          f"gloo processes x 1 torch thread")
+    print(
+        f"# Ulysses attention: kernel vs exchange, fp32, batch 1, causal\n{environment()}; "
+        f"gloo processes x 1 torch thread"
+    )
     from tests.helpers.spawn import spawn
+
     records = []
     for n in args.world:
         kv = args.kv_heads or ([2, 4] if n == 2 else [4])  # DeepSpeed refuses kv heads < sp
-        cfg = {"seq_lens": args.seq_lens, "kv_heads": kv, "heads": args.heads, "head_dim": args.head_dim,
-               "warmup": args.warmup, "reps": args.reps}
+        cfg = {
+            "seq_lens": args.seq_lens,
+            "kv_heads": kv,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "warmup": args.warmup,
+            "reps": args.reps,
+        }
         records += spawn(_worker, n, cfg, timeout=7200)[0]
     print("\n" + report(records))
     publish("attention_breakdown", records, args)

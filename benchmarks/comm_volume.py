@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar_hf
-from benchmarks.common import (MODELS, attention_modules, build_model, ceil_to, environment, fmt_bytes,
-                               make_batch, table)
+from benchmarks.common import MODELS, attention_modules, build_model, ceil_to, environment, fmt_bytes, make_batch, table
 from benchmarks.instruments import CollectiveTap, CommMeter
 from benchmarks.publish import output_options, publish
 
@@ -62,8 +61,18 @@ def ring_call_bytes(b, g, s_k, d, r, elt) -> tuple[float, float]:
     return (r - 1) * block * elt, (r - 1) * block * elt + r * block * 4  # accumulators are fp32
 
 
-def formula(spec, mode: str, sp: int, ring: int | None, s_q_full: int, s_k_full: int, q_causal: bool,
-            k_causal: bool, b: int = 1, elt: int = 4) -> dict:
+def formula(
+    spec,
+    mode: str,
+    sp: int,
+    ring: int | None,
+    s_q_full: int,
+    s_k_full: int,
+    q_causal: bool,
+    k_causal: bool,
+    b: int = 1,
+    elt: int = 4,
+) -> dict:
     """{"forward": bytes, "backward": bytes} one rank sends in one attention call."""
     r = {"ulysses": 1, "ring": sp, "hybrid": ring}[mode]
     u = sp // r
@@ -81,8 +90,11 @@ def attention_shapes(spec, seq_len: int, tgt_len: int) -> dict:
     """kind -> (s_q, s_k, q side causal, k side causal)."""
     if spec.kind == "causal":
         return {"self": (seq_len, seq_len, True, True)}
-    return {"encoder self": (seq_len, seq_len, False, False), "decoder self": (tgt_len, tgt_len, True, True),
-            "cross": (tgt_len, seq_len, True, False)}
+    return {
+        "encoder self": (seq_len, seq_len, False, False),
+        "decoder self": (tgt_len, tgt_len, True, True),
+        "cross": (tgt_len, seq_len, True, False),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,12 +118,14 @@ def label_attention(model, meter: CommMeter) -> list:
     hooks, backward through an identity autograd node on the module's output ("other" elsewhere)."""
     handles = []
     for _, kind, module in attention_modules(model):
+
         def pre(module, args, kwargs, kind=kind):
             meter.label = kind
 
         def post(module, args, kwargs, output, kind=kind):
             meter.label = "other"
             return (_EnterBackward.apply(output[0], meter, kind), *output[1:])
+
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     return handles
@@ -153,9 +167,18 @@ def _worker(models, seq_len, tgt_len, layouts) -> list[dict]:
                 per_rank = [None] * sp
                 dist.all_gather_object(per_rank, totals, group=layout.sp_group)
                 if rank == 0:
-                    out.append({"model": name, "mode": mode, "sp": sp, "ring_size": ring, "seq_len": seq_len,
-                                "tgt_len": tgt_len if spec.kind == "seq2seq" else None,
-                                "layers": dict(counts), "per_rank": per_rank})
+                    out.append(
+                        {
+                            "model": name,
+                            "mode": mode,
+                            "sp": sp,
+                            "ring_size": ring,
+                            "seq_len": seq_len,
+                            "tgt_len": tgt_len if spec.kind == "seq2seq" else None,
+                            "layers": dict(counts),
+                            "per_rank": per_rank,
+                        }
+                    )
             dist.barrier()
     return out
 
@@ -181,46 +204,122 @@ def analyse(raw: list[dict]) -> list[dict]:
                 calls = sum(v[3] for (p, lbl, _), v in ranks[0].items() if p == phase and lbl == kind)
                 per_layer = max(sent) / layers
                 err = per_layer / expected[phase] - 1 if expected[phase] else (0.0 if per_layer == 0 else float("inf"))
-                records.append({**base, "part": "attention", "kind": kind, "phase": phase, "layers": layers,
-                                "sent_per_layer": per_layer, "recv_per_layer": max(recv) / layers,
-                                "formula_per_layer": expected[phase], "sent_per_step": max(sent),
-                                "formula_per_step": expected[phase] * layers, "calls_per_layer": calls / layers,
-                                "rel_error": err, "within_tolerance": abs(err) <= TOLERANCE,
-                                "sent_ranks": sent})
+                records.append(
+                    {
+                        **base,
+                        "part": "attention",
+                        "kind": kind,
+                        "phase": phase,
+                        "layers": layers,
+                        "sent_per_layer": per_layer,
+                        "recv_per_layer": max(recv) / layers,
+                        "formula_per_layer": expected[phase],
+                        "sent_per_step": max(sent),
+                        "formula_per_step": expected[phase] * layers,
+                        "calls_per_layer": calls / layers,
+                        "rel_error": err,
+                        "within_tolerance": abs(err) <= TOLERANCE,
+                        "sent_ranks": sent,
+                    }
+                )
         for (phase, label, name), v in sorted(ranks[0].items()):
             if label == "other":
-                records.append({**base, "part": "extra", "kind": name, "phase": phase, "calls": v[3],
-                                "payload_bytes": v[2], "sent_per_step": v[0], "recv_per_step": v[1]})
+                records.append(
+                    {
+                        **base,
+                        "part": "extra",
+                        "kind": name,
+                        "phase": phase,
+                        "calls": v[3],
+                        "payload_bytes": v[2],
+                        "sent_per_step": v[0],
+                        "recv_per_step": v[1],
+                    }
+                )
     return records
 
 
 def report(records: list[dict]) -> str:
     att = [r for r in records if r["part"] == "attention"]
-    rows = [{**r, "mode_s": r["mode"] + (f" (ring {r['ring_size']})" if r["mode"] == "hybrid" else ""),
-             "m": fmt_bytes(r["sent_per_layer"]), "rv": fmt_bytes(r["recv_per_layer"]),
-             "f": fmt_bytes(r["formula_per_layer"]), "st": fmt_bytes(r["sent_per_step"]),
-             "c": f"{r['calls_per_layer']:g}", "e": f"{100 * r['rel_error']:+.2f}%",
-             "ok": "yes" if r["within_tolerance"] else "NO"} for r in att]
-    out = table(rows, [("model", "model"), ("mode", "mode_s"), ("sp", "sp"), ("attention", "kind"), ("phase", "phase"),
-                       ("calls / layer", "c"), ("sent / layer", "m"), ("received / layer", "rv"),
-                       ("formula / layer", "f"), ("error", "e"), ("within 5%", "ok"), ("layers", "layers"),
-                       ("sent / step", "st")])
+    rows = [
+        {
+            **r,
+            "mode_s": r["mode"] + (f" (ring {r['ring_size']})" if r["mode"] == "hybrid" else ""),
+            "m": fmt_bytes(r["sent_per_layer"]),
+            "rv": fmt_bytes(r["recv_per_layer"]),
+            "f": fmt_bytes(r["formula_per_layer"]),
+            "st": fmt_bytes(r["sent_per_step"]),
+            "c": f"{r['calls_per_layer']:g}",
+            "e": f"{100 * r['rel_error']:+.2f}%",
+            "ok": "yes" if r["within_tolerance"] else "NO",
+        }
+        for r in att
+    ]
+    out = table(
+        rows,
+        [
+            ("model", "model"),
+            ("mode", "mode_s"),
+            ("sp", "sp"),
+            ("attention", "kind"),
+            ("phase", "phase"),
+            ("calls / layer", "c"),
+            ("sent / layer", "m"),
+            ("received / layer", "rv"),
+            ("formula / layer", "f"),
+            ("error", "e"),
+            ("within 5%", "ok"),
+            ("layers", "layers"),
+            ("sent / step", "st"),
+        ],
+    )
     totals = defaultdict(lambda: [0.0, 0.0])
     for r in att:
         key = (r["model"], r["mode"], r["sp"], r["ring_size"])
         totals[key][0] += r["sent_per_step"]
         totals[key][1] += r["formula_per_step"]
-    trows = [{"model": k[0], "mode": k[1] + (f" (ring {k[3]})" if k[1] == "hybrid" else ""), "sp": k[2],
-              "m": fmt_bytes(v[0]), "f": fmt_bytes(v[1]), "e": f"{100 * (v[0] / v[1] - 1):+.2f}%" if v[1] else "-"}
-             for k, v in totals.items()]
+    trows = [
+        {
+            "model": k[0],
+            "mode": k[1] + (f" (ring {k[3]})" if k[1] == "hybrid" else ""),
+            "sp": k[2],
+            "m": fmt_bytes(v[0]),
+            "f": fmt_bytes(v[1]),
+            "e": f"{100 * (v[0] / v[1] - 1):+.2f}%" if v[1] else "-",
+        }
+        for k, v in totals.items()
+    ]
     out += "\n\nPer step (all attention layers, forward + backward, bytes sent by the busiest rank):\n\n"
-    out += table(trows, [("model", "model"), ("mode", "mode"), ("sp", "sp"), ("sent / step", "m"),
-                         ("formula / step", "f"), ("error", "e")])
-    extra = [{**r, "mode_s": r["mode"], "p": fmt_bytes(r["payload_bytes"]), "s": fmt_bytes(r["sent_per_step"])}
-             for r in records if r["part"] == "extra"]
+    out += table(
+        trows,
+        [
+            ("model", "model"),
+            ("mode", "mode"),
+            ("sp", "sp"),
+            ("sent / step", "m"),
+            ("formula / step", "f"),
+            ("error", "e"),
+        ],
+    )
+    extra = [
+        {**r, "mode_s": r["mode"], "p": fmt_bytes(r["payload_bytes"]), "s": fmt_bytes(r["sent_per_step"])}
+        for r in records
+        if r["part"] == "extra"
+    ]
     out += "\n\nExtras outside attention (rank 0, per step):\n\n"
-    out += table(extra, [("model", "model"), ("mode", "mode_s"), ("sp", "sp"), ("phase", "phase"),
-                         ("collective", "kind"), ("calls", "calls"), ("payload", "p"), ("sent", "s")])
+    out += table(
+        extra,
+        [
+            ("model", "model"),
+            ("mode", "mode_s"),
+            ("sp", "sp"),
+            ("phase", "phase"),
+            ("collective", "kind"),
+            ("calls", "calls"),
+            ("payload", "p"),
+            ("sent", "s"),
+        ],
+    )
     return out
 
 
@@ -239,8 +338,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["marian-base", "llama-gqa"], choices=sorted(MODELS))
     p.add_argument("--seq-len", type=int, default=1024, help="source length (Llama: sequence length)")
-    p.add_argument("--tgt-len", type=int, default=768, help="Marian target length (differs from the source "
-                                                             "so cross-attention's shapes are visible)")
+    p.add_argument(
+        "--tgt-len",
+        type=int,
+        default=768,
+        help="Marian target length (differs from the source so cross-attention's shapes are visible)",
+    )
     p.add_argument("--sp", nargs="+", type=int, default=[2, 4])
     p.add_argument("--modes", nargs="+", default=["ulysses", "ring", "hybrid"], choices=["ulysses", "ring", "hybrid"])
     p.add_argument("--quick", action="store_true", help="64 -> 48 tokens (validation, < 1 min)")
@@ -253,8 +356,10 @@ def main(argv=None):
 
     layouts = layouts_for(args.sp, args.modes)
     world = max(sp for sp, _, _ in layouts)
-    print(f"# communication volume per rank, fp32, batch 1, one forward + backward\n{environment()}; "
-          f"{world} gloo processes, 1 torch thread each\n")
+    print(
+        f"# communication volume per rank, fp32, batch 1, one forward + backward\n{environment()}; "
+        f"{world} gloo processes, 1 torch thread each\n"
+    )
     raw = spawn(_worker, world, args.models, args.seq_len, args.tgt_len, layouts, timeout=1800)[0]
     records = analyse(raw)
     print(report(records))

@@ -72,8 +72,8 @@ def _sinusoidal(n_pos: int, dim: int, dtype, device, rows: int = 1 << 16) -> tor
     for start in range(0, n_pos, rows):
         pos = torch.arange(start, min(start + rows, n_pos), dtype=torch.float64, device=device)[:, None]
         enc = pos / inv  # [rows, dim]
-        out[start:start + rows, :sentinel] = torch.sin(enc[:, 0::2])
-        out[start:start + rows, sentinel:] = torch.cos(enc[:, 1::2])
+        out[start : start + rows, :sentinel] = torch.sin(enc[:, 0::2])
+        out[start : start + rows, sentinel:] = torch.cos(enc[:, 1::2])
     return out
 
 
@@ -82,8 +82,9 @@ def _fast_marian_positions():
     from transformers.models.marian import modeling_marian as mm
 
     original = mm.MarianSinusoidalPositionalEmbedding.create_weight
-    mm.MarianSinusoidalPositionalEmbedding.create_weight = (
-        lambda self: _sinusoidal(*self.weight.shape, self.weight.dtype, self.weight.device))
+    mm.MarianSinusoidalPositionalEmbedding.create_weight = lambda self: _sinusoidal(
+        *self.weight.shape, self.weight.dtype, self.weight.device
+    )
     try:
         yield
     finally:
@@ -97,17 +98,37 @@ def build_model(spec: ModelSpec, max_len: int, seed: int = 0, dtype=torch.float3
 
     torch.manual_seed(seed)
     if spec.kind == "seq2seq":
-        config = MarianConfig(vocab_size=spec.vocab, d_model=spec.d_model, encoder_layers=spec.layers,
-                              decoder_layers=spec.layers, encoder_attention_heads=spec.heads,
-                              decoder_attention_heads=spec.heads, encoder_ffn_dim=spec.ffn, decoder_ffn_dim=spec.ffn,
-                              max_position_embeddings=max_len, pad_token_id=0, eos_token_id=2,
-                              decoder_start_token_id=0, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        config = MarianConfig(
+            vocab_size=spec.vocab,
+            d_model=spec.d_model,
+            encoder_layers=spec.layers,
+            decoder_layers=spec.layers,
+            encoder_attention_heads=spec.heads,
+            decoder_attention_heads=spec.heads,
+            encoder_ffn_dim=spec.ffn,
+            decoder_ffn_dim=spec.ffn,
+            max_position_embeddings=max_len,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        )
         cls = MarianMTModel
     else:
-        config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.d_model, intermediate_size=spec.ffn,
-                             num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                             num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, max_position_embeddings=max_len,
-                             pad_token_id=0, attention_dropout=0.0)
+        config = LlamaConfig(
+            vocab_size=spec.vocab,
+            hidden_size=spec.d_model,
+            intermediate_size=spec.ffn,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            max_position_embeddings=max_len,
+            pad_token_id=0,
+            attention_dropout=0.0,
+        )
         cls = LlamaForCausalLM
     with _fast_marian_positions(), torch.device(device):
         model = cls(config)
@@ -164,8 +185,13 @@ def attention_modules(model) -> list[tuple[str, str, torch.nn.Module]]:
 def summary(values: list[float]) -> dict:
     """Median and spread of repeated measurements (spread = (max - min) / 2 / median)."""
     med = statistics.median(values)
-    return {"median": med, "min": min(values), "max": max(values), "n": len(values),
-            "spread": (max(values) - min(values)) / 2 / med if med else 0.0}
+    return {
+        "median": med,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "spread": (max(values) - min(values)) / 2 / med if med else 0.0,
+    }
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -199,8 +225,10 @@ def write_json(path: str | Path | None, records: list[dict], quiet: bool = False
 def environment() -> str:
     import transformers
 
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"{os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}")
+    return (
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}"
+    )
 
 
 def ceil_to(n: int, m: int) -> int:
@@ -211,6 +239,21 @@ def records_of(path: str | Path) -> list[dict]:
     return json.loads(Path(path).read_text())
 
 
-__all__ = ["ModelSpec", "MODELS", "build_model", "make_batch", "enable_checkpointing", "disable_checkpointing", "attention_modules",
-           "summary", "fmt_bytes", "table", "write_json", "environment", "ceil_to",
-           "RESULTS", "FIGURES", "records_of"]
+__all__ = [
+    "ModelSpec",
+    "MODELS",
+    "build_model",
+    "make_batch",
+    "enable_checkpointing",
+    "disable_checkpointing",
+    "attention_modules",
+    "summary",
+    "fmt_bytes",
+    "table",
+    "write_json",
+    "environment",
+    "ceil_to",
+    "RESULTS",
+    "FIGURES",
+    "records_of",
+]

@@ -29,14 +29,17 @@ def decode(model, tokenizer, test, batch_size: int, guards: bool, max_length: in
     outputs, at_limit = [], 0
     start = time.perf_counter()
     for i in range(0, len(test), batch_size):
-        rows = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
-                for r in test.select(range(i, min(i + batch_size, len(test))))]
+        rows = [
+            {"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
+            for r in test.select(range(i, min(i + batch_size, len(test))))
+        ]
         inputs = collator(rows)
         kwargs = dict(num_beams=4, max_length=max_length, no_repeat_ngram_size=3 if guards else 0)
         if guards:
             limits = (1.5 * inputs["attention_mask"].sum(-1)).ceil().long() + 10
             kwargs["logits_processor"] = LogitsProcessorList(
-                [recipe.SourceLengthLimit(limits, tokenizer.eos_token_id, 1)])
+                [recipe.SourceLengthLimit(limits, tokenizer.eos_token_id, 1)]
+            )
         with torch.no_grad():
             ids = model.generate(**inputs, **kwargs)
         at_limit += int((~ids.eq(tokenizer.eos_token_id).any(-1)).sum())  # no end of sentence: cut at the limit
@@ -52,17 +55,29 @@ def main():
     parser.add_argument("--lowercase", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    tokenizer, splits = translation_data.prepare(args.data_cache_dir, vocab_size=8000, seed=0, max_source_length=80,
-                                                 max_target_length=80, lowercase=args.lowercase)
+    tokenizer, splits = translation_data.prepare(
+        args.data_cache_dir,
+        vocab_size=8000,
+        seed=0,
+        max_source_length=80,
+        max_target_length=80,
+        lowercase=args.lowercase,
+    )
     test = splits["test"]
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model_dir).eval()
     model.generation_config.no_repeat_ngram_size = None
     metric = recipe.bleu_metric()
-    for name, guards in (("before (max_length 80, no guards)", False), ("after (1.5 x source + 10, no 3-gram repeats)", True)):
+    for name, guards in (
+        ("before (max_length 80, no guards)", False),
+        ("after (1.5 x source + 10, no 3-gram repeats)", True),
+    ):
         hypotheses, seconds, at_limit = decode(model, tokenizer, test, args.batch_size, guards)
         bleu = metric.compute(predictions=hypotheses, references=test["fr_refs"])["score"]
-        print(f"{name}: test BLEU {bleu:.2f}, decoding {seconds:.0f} s, {at_limit} of {len(test)} outputs at the "
-              f"80-token limit", flush=True)
+        print(
+            f"{name}: test BLEU {bleu:.2f}, decoding {seconds:.0f} s, {at_limit} of {len(test)} outputs at the "
+            f"80-token limit",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def _time(fn, repeats: int = 3) -> float:
 
 def measure(classes=None) -> dict:
     import torch
+
     from conformance.tiny import Unbuildable, build_tiny, mapping_classes
     from seqpar_hf.models.proof.inspection import inspect_model
+
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     rows, seen = {}, set()
@@ -54,23 +56,31 @@ def measure(classes=None) -> dict:
             row["accepted"] = True
             row["ms_no_split"] = round(_time(lambda: inspect_model(model, split=False)), 1)
             row["ms_split"] = round(_time(lambda: inspect_model(model, split=True)), 1)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a refusal (ValueError) or a failure: recorded either way
             row["accepted"], row["refusal"] = False, str(exc)[:200]
         if row["accepted"]:
             try:
                 inspect_model(model.to(torch.bfloat16), split=True)
                 row["bf16"] = "accepted"
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - likewise, in bf16
                 row["bf16"] = f"refused: {str(exc)[:200]}"
         rows[f"{model_type}|{class_name}"] = row
-        print(model_type, row.get("ms_no_split"), row.get("ms_split"), row.get("bf16", row.get("refusal", ""))[:100],
-              flush=True)
+        print(
+            model_type,
+            row.get("ms_no_split"),
+            row.get("ms_split"),
+            row.get("bf16", row.get("refusal", ""))[:100],
+            flush=True,
+        )
     accepted = [r for r in rows.values() if r["accepted"]]
-    summary = {"classes": len(rows), "accepted": len(accepted),
-               "median_ms_no_split": statistics.median(r["ms_no_split"] for r in accepted),
-               "median_ms_split": statistics.median(r["ms_split"] for r in accepted),
-               "max_ms_split": max(r["ms_split"] for r in accepted),
-               "bf16_false_alarms": sorted(k for k, r in rows.items() if r.get("bf16", "accepted") != "accepted")}
+    summary = {
+        "classes": len(rows),
+        "accepted": len(accepted),
+        "median_ms_no_split": statistics.median(r["ms_no_split"] for r in accepted),
+        "median_ms_split": statistics.median(r["ms_split"] for r in accepted),
+        "max_ms_split": max(r["ms_split"] for r in accepted),
+        "bf16_false_alarms": sorted(k for k, r in rows.items() if r.get("bf16", "accepted") != "accepted"),
+    }
     return {"summary": summary, "rows": rows}
 
 

@@ -49,24 +49,37 @@ def count(sp: int, dp: int) -> dict:
     optimizer.step()
     params = sum(local(p).numel() * p.element_size() for p in model.parameters())
     grads = sum(local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    states = sum(local(v).numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v))
-    return dict(sp=sp, dp=dp, P=P, params=params, grads=grads, states=states, total=params + grads + states,
-                formula=16 * P / (sp * dp))
+    states = sum(
+        local(v).numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    return dict(
+        sp=sp,
+        dp=dp,
+        P=P,
+        params=params,
+        grads=grads,
+        states=states,
+        total=params + grads + states,
+        formula=16 * P / (sp * dp),
+    )
 
 
 def main():
     rows = [count(sp, dp) for sp, dp in LAYOUTS]
     if dist.is_initialized():
         dist.destroy_process_group()
-    lines = ["Model-state bytes per rank, FSDP2 over dp x sp (bench-44m, P = "
-             f"{rows[0]['P'] / 1e6:.2f}M, fp32 AdamW; MiB)", "",
-             "| sp | dp | ranks sharing | parameters | gradients | AdamW states | total | 16 P / (dp x sp) | ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Model-state bytes per rank, FSDP2 over dp x sp (bench-44m, P = {rows[0]['P'] / 1e6:.2f}M, fp32 AdamW; MiB)",
+        "",
+        "| sp | dp | ranks sharing | parameters | gradients | AdamW states | total | 16 P / (dp x sp) | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['sp']} | {r['dp']} | {r['sp'] * r['dp']} | {r['params'] / 2**20:.1f} | "
-                     f"{r['grads'] / 2**20:.1f} | {r['states'] / 2**20:.1f} | {r['total'] / 2**20:.1f} | "
-                     f"{r['formula'] / 2**20:.1f} | {r['total'] / r['formula']:.3f} |")
+        lines.append(
+            f"| {r['sp']} | {r['dp']} | {r['sp'] * r['dp']} | {r['params'] / 2**20:.1f} | "
+            f"{r['grads'] / 2**20:.1f} | {r['states'] / 2**20:.1f} | {r['total'] / 2**20:.1f} | "
+            f"{r['formula'] / 2**20:.1f} | {r['total'] / r['formula']:.3f} |"
+        )
     text = "\n".join(lines) + "\n"
     out = Path(__file__).resolve().parent / "results" / "fsdp_states.md"
     out.write_text(text)

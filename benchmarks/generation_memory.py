@@ -79,28 +79,44 @@ def sharded_bytes(sp: int, source: int, prompt: int) -> list[dict]:
     model, spec = model_for("marian-base", source, sp)
     seen = {}
     encoder = model.get_encoder()
-    hook = encoder.register_forward_hook(lambda m, a, k, out: seen.__setitem__("states", out.last_hidden_state),
-                                         with_kwargs=True)
+    hook = encoder.register_forward_hook(
+        lambda m, a, k, out: seen.__setitem__("states", out.last_hidden_state), with_kwargs=True
+    )
     received = []
     tap = CollectiveTap(lambda name, a: (fake_group.zero_received(name, a), received.append(_gathered(name, a))))
     with tap:
         out = run_generate(model, tokens(source, spec.vocab), NEW_TOKENS)
     hook.remove()
     cross = out.cache.cross_attention_cache.layers
-    rows.append({"model": "marian-base", "what": "encoder states + cross K/V", "sp": sp, "tokens": source,
-                 "encoder_states": _bytes([seen["states"]]),
-                 "cross_kv": _bytes([t for layer in cross for t in (layer.keys, layer.values)]),
-                 "self_kv (replicated)": _bytes([t for layer in out.cache.self_attention_cache.layers
-                                                 for t in (layer.keys, layer.values)]),
-                 "received_per_step": sum(received) / NEW_TOKENS})  # every decoder forward is a step
+    rows.append(
+        {
+            "model": "marian-base",
+            "what": "encoder states + cross K/V",
+            "sp": sp,
+            "tokens": source,
+            "encoder_states": _bytes([seen["states"]]),
+            "cross_kv": _bytes([t for layer in cross for t in (layer.keys, layer.values)]),
+            "self_kv (replicated)": _bytes(
+                [t for layer in out.cache.self_attention_cache.layers for t in (layer.keys, layer.values)]
+            ),
+            "received_per_step": sum(received) / NEW_TOKENS,
+        }
+    )  # every decoder forward is a step
     rows[-1]["sharded"] = rows[-1]["encoder_states"] + rows[-1]["cross_kv"]
     received.clear()
     model, spec = model_for("llama-gqa", prompt, sp)
     with tap:
         out = run_generate(model, tokens(prompt, spec.vocab), NEW_TOKENS)
-    rows.append({"model": "llama-gqa", "what": "KV cache", "sp": sp, "tokens": prompt + NEW_TOKENS,
-                 "sharded": _bytes([t for layer in out.cache.layers for t in (layer.keys, layer.values)]),
-                 "received_per_step": sum(received) / (NEW_TOKENS - 1)})  # the forwards after the prompt's
+    rows.append(
+        {
+            "model": "llama-gqa",
+            "what": "KV cache",
+            "sp": sp,
+            "tokens": prompt + NEW_TOKENS,
+            "sharded": _bytes([t for layer in out.cache.layers for t in (layer.keys, layer.values)]),
+            "received_per_step": sum(received) / (NEW_TOKENS - 1),
+        }
+    )  # the forwards after the prompt's
     gc.collect()
     return rows
 
@@ -149,15 +165,26 @@ def longest_prompt(sp: int, locals_: list[int], budget: float) -> dict:
             _Root(model, inputs)()  # MemTracker follows a root module called once, the model many times in it
         snapshot = next(iter(timeline.tracker.get_tracker_snapshot("peak").values()))
         total = int(next(v for k, v in snapshot.items() if str(getattr(k, "value", k)).lower() == "total"))
-        points.append({"local": local, "total": total, "optimizer_total": 0,
-                       "segments": [t for _, t in timeline.segments],
-                       "segment_keys": [str(k) for k, _ in timeline.segments]})
+        points.append(
+            {
+                "local": local,
+                "total": total,
+                "optimizer_total": 0,
+                "segments": [t for _, t in timeline.segments],
+                "segment_keys": [str(k) for k, _ in timeline.segments],
+            }
+        )
     peak, _ = fit(points[:2])
     check = points[-1]
-    return {"sp": sp, "peaks": [p["total"] for p in points], "locals": locals_,
-            "predicted_third": peak(check["local"]),
-            "fit_error": abs(peak(check["local"]) - check["total"]) / check["total"],
-            "longest": longest(peak, sp, budget), "budget": budget}
+    return {
+        "sp": sp,
+        "peaks": [p["total"] for p in points],
+        "locals": locals_,
+        "predicted_third": peak(check["local"]),
+        "fit_error": abs(peak(check["local"]) - check["total"]) / check["total"],
+        "longest": longest(peak, sp, budget),
+        "budget": budget,
+    }
 
 
 class StepTimer:
@@ -207,8 +234,13 @@ def main():
     parser.add_argument("--budget-gib", type=float, default=2.0, help="per-rank budget of the longest-prompt search")
     parser.add_argument("--reps", type=int, default=3)
     parts = ["bytes", "longest", "time"]
-    parser.add_argument("--parts", nargs="+", default=parts, choices=parts,
-                        help="what to measure; the records of the other parts are kept from the JSON file")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=parts,
+        choices=parts,
+        help="what to measure; the records of the other parts are kept from the JSON file",
+    )
     parser.add_argument("--quick", action="store_true")
     output_options(parser, "generation_memory", figure=False)
     args = parser.parse_args()
@@ -235,35 +267,83 @@ def measure_bytes(args) -> list[dict]:
         base = next(b for b in rows if b["model"] == r["model"] and b["sp"] == 1)
         r["times_sp_over_sp1"] = r["sharded"] * r["sp"] / base["sharded"]
     print("\n1. Bytes per rank of the sharded parts (target: x sp / sp=1 <= 1.10)\n")
-    print(table([{**r, "sharded_f": fmt_bytes(r["sharded"]), "ratio": f"{r['times_sp_over_sp1']:.3f}",
-                  "recv": fmt_bytes(r["received_per_step"])} for r in rows],
-                [("model", "model"), ("what", "what"), ("sp", "sp"), ("tokens", "tokens"),
-                 ("bytes / rank", "sharded_f"), ("x sp / sp=1", "ratio"), ("received / step", "recv")]))
+    print(
+        table(
+            [
+                {
+                    **r,
+                    "sharded_f": fmt_bytes(r["sharded"]),
+                    "ratio": f"{r['times_sp_over_sp1']:.3f}",
+                    "recv": fmt_bytes(r["received_per_step"]),
+                }
+                for r in rows
+            ],
+            [
+                ("model", "model"),
+                ("what", "what"),
+                ("sp", "sp"),
+                ("tokens", "tokens"),
+                ("bytes / rank", "sharded_f"),
+                ("x sp / sp=1", "ratio"),
+                ("received / step", "recv"),
+            ],
+        )
+    )
     return [{"part": "bytes", **r} for r in rows]
 
 
 def measure_longest(args) -> list[dict]:
     locals_ = [64, 128, 256] if args.quick else [512, 1024, 2048]
-    budget = args.budget_gib * 2 ** 30
+    budget = args.budget_gib * 2**30
     found = [longest_prompt(sp, locals_, budget) for sp in args.sp]
-    print(f"\n2. Longest prompt that generates {NEW_TOKENS} tokens in {args.budget_gib} GiB per rank "
-          "(44M Llama, fp32)\n")
-    print(table([{"sp": r["sp"], "longest": f"{r['longest']:,}", "x": f"{r['longest'] / found[0]['longest']:.2f}",
-                  "peaks": " / ".join(fmt_bytes(p) for p in r["peaks"]), "err": f"{r['fit_error']:.2%}"}
-                 for r in found],
-                [("sp", "sp"), ("longest prompt", "longest"), ("vs sp=1", "x"),
-                 ("measured peaks (3 lengths)", "peaks"), ("third predicted, error", "err")]))
+    print(
+        f"\n2. Longest prompt that generates {NEW_TOKENS} tokens in {args.budget_gib} GiB per rank (44M Llama, fp32)\n"
+    )
+    print(
+        table(
+            [
+                {
+                    "sp": r["sp"],
+                    "longest": f"{r['longest']:,}",
+                    "x": f"{r['longest'] / found[0]['longest']:.2f}",
+                    "peaks": " / ".join(fmt_bytes(p) for p in r["peaks"]),
+                    "err": f"{r['fit_error']:.2%}",
+                }
+                for r in found
+            ],
+            [
+                ("sp", "sp"),
+                ("longest prompt", "longest"),
+                ("vs sp=1", "x"),
+                ("measured peaks (3 lengths)", "peaks"),
+                ("third predicted, error", "err"),
+            ],
+        )
+    )
     return [{"part": "longest", **r} for r in found]
 
 
 def measure_time(args) -> list[dict]:
     torch.set_num_threads(1)  # a loaded 2-core machine: threads that wait for each other swamp the step
-    times = [decode_time("llama-gqa", args.prompt // 2, 16 if args.quick else 32, args.reps),
-             decode_time("marian-base", args.source // 2, 16 if args.quick else 32, args.reps)]
+    times = [
+        decode_time("llama-gqa", args.prompt // 2, 16 if args.quick else 32, args.reps),
+        decode_time("marian-base", args.source // 2, 16 if args.quick else 32, args.reps),
+    ]
     print("\n3. Decode step, generate under SP over a group of one vs unpatched (CPU, indicative)\n")
-    print(table([{**t, "u": f"{t['unpatched'] * 1e3:.1f} ms", "s": f"{t['sp machinery (sp=1)'] * 1e3:.1f} ms",
-                  "r": f"{t['ratio']:.2f}"} for t in times],
-                [("model", "model"), ("tokens", "tokens"), ("unpatched", "u"), ("SP path, sp=1", "s"), ("ratio", "r")]))
+    print(
+        table(
+            [
+                {
+                    **t,
+                    "u": f"{t['unpatched'] * 1e3:.1f} ms",
+                    "s": f"{t['sp machinery (sp=1)'] * 1e3:.1f} ms",
+                    "r": f"{t['ratio']:.2f}",
+                }
+                for t in times
+            ],
+            [("model", "model"), ("tokens", "tokens"), ("unpatched", "u"), ("SP path, sp=1", "s"), ("ratio", "r")],
+        )
+    )
     return [{"part": "time", **t} for t in times]
 
 

@@ -46,12 +46,23 @@ def kernel_times(device, dtype, seq_len: int, heads: int, kv_heads: int, head_di
         def step():
             for p in pieces:
                 lo, hi = p.q_local
-                ku, kv_ = k[:, p.kv_use[0]:p.kv_use[1]], v[:, p.kv_use[0]:p.kv_use[1]]
-                o = F.scaled_dot_product_attention(q[:, lo:hi], ku, kv_, is_causal=True,
-                                                   enable_gqa=(hi - lo) != ku.shape[1])
+                ku, kv_ = k[:, p.kv_use[0] : p.kv_use[1]], v[:, p.kv_use[0] : p.kv_use[1]]
+                o = F.scaled_dot_product_attention(
+                    q[:, lo:hi], ku, kv_, is_causal=True, enable_gqa=(hi - lo) != ku.shape[1]
+                )
                 o.backward(grad[:, lo:hi])
-        out.append({"part": "kernel", "sp": sp, "seq_len": seq_len, "heads": h, "kv_heads": g, "chunks": c,
-                    "time_s": timed(step, device, reps)})
+
+        out.append(
+            {
+                "part": "kernel",
+                "sp": sp,
+                "seq_len": seq_len,
+                "heads": h,
+                "kv_heads": g,
+                "chunks": c,
+                "time_s": timed(step, device, reps),
+            }
+        )
     for r in out:
         r["ratio"] = r["time_s"] / out[0]["time_s"]
     return out
@@ -71,8 +82,16 @@ def step_times(device, dtype, args) -> list[dict]:
                 seqpar_hf.patch_model(model, layout, check_inputs=False)
                 r = try_step(model, batch, device, args.reps, cap_s=1e9)
                 seqpar_hf.unpatch_model(model)
-                records.append({"part": "step", "sp": sp, "chunks": c, "seq_len": args.step_len,
-                                "step_s": r.get("step_s"), "peak_bytes": r.get("peak_bytes")})
+                records.append(
+                    {
+                        "part": "step",
+                        "sp": sp,
+                        "chunks": c,
+                        "seq_len": args.step_len,
+                        "step_s": r.get("step_s"),
+                        "peak_bytes": r.get("peak_bytes"),
+                    }
+                )
             base = next(r for r in records if r["sp"] == sp and r["chunks"] == 1)
             for r in records:
                 if r["sp"] == sp and r["step_s"] and base["step_s"]:
@@ -84,14 +103,28 @@ def step_times(device, dtype, args) -> list[dict]:
 
 def report(records: list[dict]) -> str:
     k = [{**r, "t": f"{r['time_s'] * 1e3:.2f}", "r": f"{r['ratio']:.3f}"} for r in records if r["part"] == "kernel"]
-    s = [{**r, "t": "-" if r["step_s"] is None else f"{r['step_s']:.3f}", "r": f"{r.get('ratio', float('nan')):.3f}"}
-         for r in records if r["part"] == "step"]
-    return ("(a) SDPA forward + backward over one rank's heads, in c calls:\n\n"
-            + table(k, [("sp", "sp"), ("tokens", "seq_len"), ("heads / rank", "heads"), ("kv / rank", "kv_heads"),
-                        ("chunks", "chunks"), ("ms", "t"), ("/ 1 chunk", "r")])
-            + "\n\n(b) one simulated rank's training step (no communication), llama-gqa:\n\n"
-            + table(s, [("sp", "sp"), ("tokens", "seq_len"), ("chunks", "chunks"), ("step s", "t"),
-                        ("/ 1 chunk", "r")]))
+    s = [
+        {**r, "t": "-" if r["step_s"] is None else f"{r['step_s']:.3f}", "r": f"{r.get('ratio', float('nan')):.3f}"}
+        for r in records
+        if r["part"] == "step"
+    ]
+    return (
+        "(a) SDPA forward + backward over one rank's heads, in c calls:\n\n"
+        + table(
+            k,
+            [
+                ("sp", "sp"),
+                ("tokens", "seq_len"),
+                ("heads / rank", "heads"),
+                ("kv / rank", "kv_heads"),
+                ("chunks", "chunks"),
+                ("ms", "t"),
+                ("/ 1 chunk", "r"),
+            ],
+        )
+        + "\n\n(b) one simulated rank's training step (no communication), llama-gqa:\n\n"
+        + table(s, [("sp", "sp"), ("tokens", "seq_len"), ("chunks", "chunks"), ("step s", "t"), ("/ 1 chunk", "r")])
+    )
 
 
 def main(argv=None):
@@ -113,11 +146,16 @@ def main(argv=None):
     elif device.type != "cuda":
         p.error("the full run needs a CUDA GPU; use --quick to check the script on CPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    print(f"# head-chunked Ulysses on one {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-          f"{dtype}, batch 1\n{environment()}\n")
-    records = [r for sp in args.sp for s in args.seq_lens
-               for r in kernel_times(device, dtype, s, args.heads, args.kv_heads, args.head_dim, sp, args.chunks,
-                                     args.reps)]
+    print(
+        f"# head-chunked Ulysses on one {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+        f"{dtype}, batch 1\n{environment()}\n"
+    )
+    records = [
+        r
+        for sp in args.sp
+        for s in args.seq_lens
+        for r in kernel_times(device, dtype, s, args.heads, args.kv_heads, args.head_dim, sp, args.chunks, args.reps)
+    ]
     records += step_times(device, dtype, args)
     print(report(records))
     publish("gpu_chunks", records, args)

@@ -40,11 +40,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import seqpar_hf
 from benchmarks import fake_group
-from benchmarks.common import (MODELS, build_model, disable_checkpointing, enable_checkpointing,
-                               environment, fmt_bytes, make_batch, summary, table, write_json)
+from benchmarks.common import (
+    MODELS,
+    build_model,
+    disable_checkpointing,
+    enable_checkpointing,
+    environment,
+    fmt_bytes,
+    make_batch,
+    summary,
+    table,
+    write_json,
+)
 from benchmarks.instruments import CollectiveTap
 from benchmarks.publish import json_path, output_options, publish
-
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and kernel ceilings
@@ -83,15 +92,23 @@ def sync(device):
 def kernel_rates(device, dtype, n: int, s: int, heads: int = 8, head_dim: int = 64) -> list[dict]:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     t = timed(lambda: a @ b, device, 10)
-    out = [{"part": "kernel", "kernel": f"matmul {n}x{n}x{n}", "tflops": 2 * n ** 3 / t / 1e12, "time_s": t}]
+    out = [{"part": "kernel", "kernel": f"matmul {n}x{n}x{n}", "tflops": 2 * n**3 / t / 1e12, "time_s": t}]
     q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     for causal in (False, True):
+
         def step():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(torch.ones_like(q))
+
         t = timed(step, device, 5)
         flops = 3.5 * 4 * s * s * heads * head_dim * (0.5 if causal else 1.0)
-        out.append({"part": "kernel", "kernel": f"sdpa fwd+bwd s={s} h={heads} d={head_dim}"
-                    + (" causal" if causal else ""), "tflops": flops / t / 1e12, "time_s": t})
+        out.append(
+            {
+                "part": "kernel",
+                "kernel": f"sdpa fwd+bwd s={s} h={heads} d={head_dim}" + (" causal" if causal else ""),
+                "tflops": flops / t / 1e12,
+                "time_s": t,
+            }
+        )
     return out
 
 
@@ -157,15 +174,28 @@ def sweep(model, spec, label: dict, device, args, deadline: float, matmul_tflops
             reason = "out of memory"
             break
         flops = train_flops(spec, seq_len) / sp
-        records.append({"part": "step", **label, "seq_len": seq_len, "tokens_per_rank": seq_len // sp, **r,
-                        "model_tflops_per_rank": flops / r["step_s"] / 1e12,
-                        "mfu_vs_matmul": flops / r["step_s"] / 1e12 / matmul_tflops})
+        records.append(
+            {
+                "part": "step",
+                **label,
+                "seq_len": seq_len,
+                "tokens_per_rank": seq_len // sp,
+                **r,
+                "model_tflops_per_rank": flops / r["step_s"] / 1e12,
+                "mfu_vs_matmul": flops / r["step_s"] / 1e12 / matmul_tflops,
+            }
+        )
         if r["step_s"] * 4 > args.step_cap_s:
             reason = "time cap"
             break
         seq_len *= 2
-    summary_rec = {"part": "max_len", **label, "longest_run": records[-1]["seq_len"] if records else None,
-                   "stop_reason": reason, "projected_max": None}
+    summary_rec = {
+        "part": "max_len",
+        **label,
+        "longest_run": records[-1]["seq_len"] if records else None,
+        "stop_reason": reason,
+        "projected_max": None,
+    }
     ok = [r for r in records if "peak_bytes" in r]
     if len(ok) >= 2 and capacity:
         (l1, p1), (l2, p2) = (ok[-2]["seq_len"], ok[-2]["peak_bytes"]), (ok[-1]["seq_len"], ok[-1]["peak_bytes"])
@@ -180,19 +210,28 @@ def run(args, device, dtype, save=None) -> list[dict]:
     records = kernel_rates(device, dtype, args.matmul_n, args.attn_len)
     matmul = records[0]["tflops"]
     end = time.monotonic() + args.budget_s
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if device.type == "cuda" else \
-        [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-    models = {name: build_model(MODELS[name], max_len=args.max_len, dtype=dtype, device=device)
-              for name in args.models}
-    impls = [("unpatched", 1)] + [(mode, sp) for sp in args.sp for mode in args.modes
-                                 if not (mode == "ring" and sp == 1) and not (mode == "hybrid" and sp < 4)]
+    backends = (
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        if device.type == "cuda"
+        else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    )
+    models = {name: build_model(MODELS[name], max_len=args.max_len, dtype=dtype, device=device) for name in args.models}
+    impls = [("unpatched", 1)] + [
+        (mode, sp)
+        for sp in args.sp
+        for mode in args.modes
+        if not (mode == "ring" and sp == 1) and not (mode == "hybrid" and sp < 4)
+    ]
     sweeps_left = len(args.checkpointing) * len(impls) * len(models)
     with sdpa_kernel(backends), CollectiveTap(fake_group.zero_received):
         for ckpt in args.checkpointing:
             for mode, sp in impls:
                 fake_group.join(sp)
-                layout = None if mode == "unpatched" else fake_group.layout(
-                    sp, mode=mode, ring_size=2 if mode == "hybrid" else None)
+                layout = (
+                    None
+                    if mode == "unpatched"
+                    else fake_group.layout(sp, mode=mode, ring_size=2 if mode == "hybrid" else None)
+                )
                 for name, model in models.items():
                     (enable_checkpointing if ckpt else disable_checkpointing)(model)
                     if layout is not None:
@@ -206,8 +245,11 @@ def run(args, device, dtype, save=None) -> list[dict]:
                     records += out
                     if save:
                         save(records)
-                    print(f"  {name} {mode} sp={sp} ckpt={'on' if ckpt else 'off'}: longest {out[-1]['longest_run']} "
-                          f"({out[-1]['stop_reason']})", flush=True)
+                    print(
+                        f"  {name} {mode} sp={sp} ckpt={'on' if ckpt else 'off'}: longest {out[-1]['longest_run']} "
+                        f"({out[-1]['stop_reason']})",
+                        flush=True,
+                    )
     if dist.is_initialized():
         dist.destroy_process_group()
     return records
@@ -216,20 +258,57 @@ def run(args, device, dtype, save=None) -> list[dict]:
 def report(records: list[dict]) -> str:
     ker = [{**r, "t": f"{r['tflops']:.1f}"} for r in records if r["part"] == "kernel"]
     out = table(ker, [("kernel", "kernel"), ("TFLOP/s", "t")])
-    steps = [{**r, "ck": "on" if r["checkpointing"] else "off", "pk": fmt_bytes(r.get("peak_bytes")),
-              "ac": fmt_bytes(r.get("activation_bytes")), "t": f"{r['step_s']:.3f}",
-              "tps": f"{r['tokens_per_rank'] / r['step_s']:.0f}", "tf": f"{r['model_tflops_per_rank']:.1f}",
-              "mfu": f"{100 * r['mfu_vs_matmul']:.1f}%"} for r in records if r["part"] == "step"]
-    out += "\n\n" + table(steps, [("model", "model"), ("mode", "mode"), ("sp", "sp"), ("ckpt", "ck"),
-                                  ("seq len", "seq_len"), ("peak / rank", "pk"), ("activations", "ac"),
-                                  ("step s (no comm)", "t"), ("tokens/s / rank", "tps"), ("TFLOP/s / rank", "tf"),
-                                  ("MFU vs matmul", "mfu")])
-    mx = [{**r, "ck": "on" if r["checkpointing"] else "off",
-           "pr": "-" if r["projected_max"] is None else f"{r['projected_max']:,}"}
-          for r in records if r["part"] == "max_len"]
+    steps = [
+        {
+            **r,
+            "ck": "on" if r["checkpointing"] else "off",
+            "pk": fmt_bytes(r.get("peak_bytes")),
+            "ac": fmt_bytes(r.get("activation_bytes")),
+            "t": f"{r['step_s']:.3f}",
+            "tps": f"{r['tokens_per_rank'] / r['step_s']:.0f}",
+            "tf": f"{r['model_tflops_per_rank']:.1f}",
+            "mfu": f"{100 * r['mfu_vs_matmul']:.1f}%",
+        }
+        for r in records
+        if r["part"] == "step"
+    ]
+    out += "\n\n" + table(
+        steps,
+        [
+            ("model", "model"),
+            ("mode", "mode"),
+            ("sp", "sp"),
+            ("ckpt", "ck"),
+            ("seq len", "seq_len"),
+            ("peak / rank", "pk"),
+            ("activations", "ac"),
+            ("step s (no comm)", "t"),
+            ("tokens/s / rank", "tps"),
+            ("TFLOP/s / rank", "tf"),
+            ("MFU vs matmul", "mfu"),
+        ],
+    )
+    mx = [
+        {
+            **r,
+            "ck": "on" if r["checkpointing"] else "off",
+            "pr": "-" if r["projected_max"] is None else f"{r['projected_max']:,}",
+        }
+        for r in records
+        if r["part"] == "max_len"
+    ]
     out += "\n\nLongest full sequence (Marian: source and target each):\n\n" + table(
-        mx, [("model", "model"), ("mode", "mode"), ("sp", "sp"), ("ckpt", "ck"), ("longest run", "longest_run"),
-             ("stopped by", "stop_reason"), ("projected max (memory slope)", "pr")])
+        mx,
+        [
+            ("model", "model"),
+            ("mode", "mode"),
+            ("sp", "sp"),
+            ("ckpt", "ck"),
+            ("longest run", "longest_run"),
+            ("stopped by", "stop_reason"),
+            ("projected max (memory slope)", "pr"),
+        ],
+    )
     return out
 
 
@@ -243,13 +322,20 @@ def main(argv=None):
     p.add_argument("--max-len", type=int, default=1 << 20, help="also the Marian position table size")
     p.add_argument("--step-cap-s", type=float, default=3.0, help="no doubling once the next step would exceed this")
     p.add_argument("--reps", type=int, default=2, help="timed steps per length after one warm-up")
-    p.add_argument("--budget-s", type=float, default=360.0, help="time for all sweeps together, shared "
-                   "evenly: a sweep gets the remaining time over the sweeps left")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=360.0,
+        help="time for all sweeps together, shared evenly: a sweep gets the remaining time over the sweeps left",
+    )
     p.add_argument("--matmul-n", type=int, default=8192)
     p.add_argument("--attn-len", type=int, default=16384)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--quick", action="store_true", help="lengths 64-128, sp 1 2 4, ulysses + ring, tiny "
-                                                        "kernels; runs on CPU (no memory numbers there)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="lengths 64-128, sp 1 2 4, ulysses + ring, tiny kernels; runs on CPU (no memory numbers there)",
+    )
     output_options(p, "gpu_rank")
     args = p.parse_args(argv)
     args.checkpointing = [c == "on" for c in args.checkpointing]
@@ -264,8 +350,9 @@ def main(argv=None):
         p.error("the full run needs a CUDA GPU; use --quick to check the fake-group path on CPU")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# one simulated SP rank on {name}, {dtype}, batch 1, fake process group (no communication)\n"
-          f"{environment()}\n")
+    print(
+        f"# one simulated SP rank on {name}, {dtype}, batch 1, fake process group (no communication)\n{environment()}\n"
+    )
     records = run(args, device, dtype, save=lambda recs: write_json(json_path(args, "gpu_rank"), recs, quiet=True))
     print(report(records))
     publish("gpu_rank", records, args)

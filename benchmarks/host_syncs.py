@@ -44,9 +44,17 @@ def count(world: int, mode: str, ring_size, layers: int, src: str | None) -> dic
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(config)
     layout = seqpar_hf.ParallelLayout(sp_size=world, mode=mode, ring_size=ring_size)
     seqpar_hf.patch_model(model, layout)
@@ -60,8 +68,13 @@ def count(world: int, mode: str, ring_size, layers: int, src: str | None) -> dic
     with Counter() as backward:
         loss.backward()
     dist.barrier()
-    return {"mode": mode if ring_size is None else f"{mode}(ring {ring_size})", "world": world, "layers": layers,
-            "forward": forward.n, "backward": backward.n}
+    return {
+        "mode": mode if ring_size is None else f"{mode}(ring {ring_size})",
+        "world": world,
+        "layers": layers,
+        "forward": forward.n,
+        "backward": backward.n,
+    }
 
 
 def main():

@@ -26,9 +26,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # ---------------------------------------------------------------------------------------------
 # torch.distributed functions
 
-COLLECTIVES = ("all_to_all_single", "all_to_all", "batch_isend_irecv", "all_reduce", "all_gather",
-               "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
-               "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "send", "recv")
+COLLECTIVES = (
+    "all_to_all_single",
+    "all_to_all",
+    "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+)
 
 
 class CollectiveTap:
@@ -51,13 +64,15 @@ class CollectiveTap:
             bound.apply_defaults()
             self.on_call(name, bound.arguments)
             return fn(*args, **kwargs)
+
         return wrapper
 
     def __enter__(self):
         originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
         wrappers = {n: self._wrap(n, fn) for n, fn in originals.items()}
-        targets = [dist] + [m for name, m in list(sys.modules.items())
-                            if m is not None and name.startswith(self.modules)]
+        targets = [dist] + [
+            m for name, m in list(sys.modules.items()) if m is not None and name.startswith(self.modules)
+        ]
         by_id = {id(fn): n for n, fn in originals.items()}
         for module in targets:
             for attr, value in list(vars(module).items()):
@@ -220,6 +235,7 @@ class ModuleTags:
         def post(module, args, out):
             if self.stack:
                 self.stack.pop()
+
         self.handles = [mm.register_module_forward_pre_hook(pre), mm.register_module_forward_hook(post)]
         return self
 

@@ -37,6 +37,7 @@ planner (python -m seqpar_hf.plan) is validated against the json (tests/test_pla
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -50,18 +51,31 @@ from benchmarks import fake_group
 RESULTS = Path(__file__).resolve().parent / "results"
 FIGURES = Path(__file__).resolve().parent / "figures"
 
-COMMON = dict(vocab_size=32000, head_dim=64, max_position_embeddings=1 << 20, tie_word_embeddings=False,
-              attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=32000,
+    head_dim=64,
+    max_position_embeddings=1 << 20,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SIZES = {  # the planner knows both (python -m seqpar_hf.plan --model bench-44m)
-    "bench-44m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2),
-    "bench-155m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                       num_key_value_heads=4),
+    "bench-44m": dict(
+        hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2
+    ),
+    "bench-155m": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4
+    ),
 }
 CONFIG = {**COMMON, **SIZES["bench-44m"]}
-OPTIONS = {"plain": dict(checkpointing=False, tiled=False), "tiled loss": dict(checkpointing=False, tiled=True),
-           "checkpointing": dict(checkpointing=True, tiled=False),
-           "checkpointing + tiled loss": dict(checkpointing=True, tiled=True)}
+OPTIONS = {
+    "plain": dict(checkpointing=False, tiled=False),
+    "tiled loss": dict(checkpointing=False, tiled=True),
+    "checkpointing": dict(checkpointing=True, tiled=False),
+    "checkpointing + tiled loss": dict(checkpointing=True, tiled=True),
+}
 
 
 def init_group(sp: int) -> None:
@@ -164,11 +178,12 @@ def measure(sp: int, lengths: list[int], option: dict, device: str) -> list[dict
             record["optimizer_total"] = torch.cuda.max_memory_allocated()
         else:
             timeline = Timeline()
-            record.update(timeline.run(lambda: forward_backward(model, inputs), model, optimizer))
+            record.update(timeline.run(functools.partial(forward_backward, model, inputs), model, optimizer))
             record["segments"] = [total for _, total in timeline.segments]
-            record["segment_keys"] = [f"{'bw' if bw else 'fw'} {parents[-1] if parents else '-'}"
-                                      for (parents, bw), _ in timeline.segments]
-            optimizer_record = Timeline().run(lambda: optimizer_step(optimizer), model, optimizer)
+            record["segment_keys"] = [
+                f"{'bw' if bw else 'fw'} {parents[-1] if parents else '-'}" for (parents, bw), _ in timeline.segments
+            ]
+            optimizer_record = Timeline().run(functools.partial(optimizer_step, optimizer), model, optimizer)
             record["optimizer_total"] = optimizer_record["total"]
         record["seconds"] = time.perf_counter() - start
         records.append(record)
@@ -191,6 +206,7 @@ def fit(points: list[dict]):
 
     def peak(local: float) -> float:
         return max(floor, max(slope * local + icept for slope, icept in lines))
+
     return peak, lines
 
 
@@ -209,18 +225,30 @@ def longest(peak, sp: int, budget: float) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--lengths", type=int, nargs=3, default=[768, 1280, 2048],
-                        help="local tokens per rank: two for the fit, a third to check it (at least the "
-                        "tiled loss's chunk, 524 tokens of a 32K vocabulary, so that chunks are full)")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs=3,
+        default=[768, 1280, 2048],
+        help="local tokens per rank: two for the fit, a third to check it (at least the "
+        "tiled loss's chunk, 524 tokens of a 32K vocabulary, so that chunks are full)",
+    )
     parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     parser.add_argument("--budget-gib", type=float, default=16.0, help="per-rank memory budget")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", choices=list(SIZES), default="bench-44m",
-                        help="bench-44m on CPU (minutes); bench-155m (8 layers, hidden 1024) on GPU")
+    parser.add_argument(
+        "--size",
+        choices=list(SIZES),
+        default="bench-44m",
+        help="bench-44m on CPU (minutes); bench-155m (8 layers, hidden 1024) on GPU",
+    )
     parser.add_argument("--out", default=str(RESULTS / "longest_sequence"))
     parser.add_argument("--plot", action="store_true")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the other sp values' results already in --out (re-measure some sp only)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other sp values' results already in --out (re-measure some sp only)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     CONFIG.update(SIZES[args.size])
@@ -235,17 +263,27 @@ def main():
             records += points
             peak, lines = fit(points)
             check = points[2]
-            row = {"sp": sp, "option": name, "slope": max(sl for sl, _ in lines), "lengths": args.lengths,
-                   "peaks": [p["total"] for p in points], "optimizer_peak": max(p["optimizer_total"] for p in points),
-                   "predicted_third": peak(check["local"]),
-                   "fit_error": abs(peak(check["local"]) - max(check["total"], check["optimizer_total"]))
-                   / max(check["total"], check["optimizer_total"]),
-                   "longest": longest(peak, sp, budget)}
+            row = {
+                "sp": sp,
+                "option": name,
+                "slope": max(sl for sl, _ in lines),
+                "lengths": args.lengths,
+                "peaks": [p["total"] for p in points],
+                "optimizer_peak": max(p["optimizer_total"] for p in points),
+                "predicted_third": peak(check["local"]),
+                "fit_error": abs(peak(check["local"]) - max(check["total"], check["optimizer_total"]))
+                / max(check["total"], check["optimizer_total"]),
+                "longest": longest(peak, sp, budget),
+            }
             row["peak_at_longest"] = peak(row["longest"] / sp)
             rows.append(row)
-            print(f"sp={sp} {name:28s} peak " + " / ".join(f"{p['total'] / 2**20:.1f}" for p in points)
-                  + f" MiB at {args.lengths} local tokens; third predicted {row['predicted_third'] / 2**20:.1f}; "
-                  f"longest {row['longest']}", flush=True)
+            print(
+                f"sp={sp} {name:28s} peak "
+                + " / ".join(f"{p['total'] / 2**20:.1f}" for p in points)
+                + f" MiB at {args.lengths} local tokens; third predicted {row['predicted_third'] / 2**20:.1f}; "
+                f"longest {row['longest']}",
+                flush=True,
+            )
     previous = Path(args.out + ".json")
     if args.merge and previous.exists():
         old = json.loads(previous.read_text())
@@ -256,8 +294,15 @@ def main():
         base = next(r for r in rows if r["option"] == row["option"] and r["sp"] == first)
         row["vs_sp1"] = row["longest"] / base["longest"] if base["longest"] else float("nan")
         row["target_met"] = row["vs_sp1"] >= 0.9 * row["sp"] / base["sp"]
-    out = {"size": args.size, "config": CONFIG, "budget_bytes": budget, "device": args.device, "lengths": args.lengths,
-           "records": records, "rows": rows}
+    out = {
+        "size": args.size,
+        "config": CONFIG,
+        "budget_bytes": budget,
+        "device": args.device,
+        "lengths": args.lengths,
+        "records": records,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(out, indent=1))
     Path(args.out + ".md").write_text(markdown(out))
@@ -270,35 +315,51 @@ def markdown(out: dict) -> str:
     rows = out["rows"]
     options = list(dict.fromkeys(r["option"] for r in rows))
     sps = sorted({r["sp"] for r in rows})
-    lines = [f"Longest sequence per rank budget {out['budget_bytes'] / 2**30:g} GiB ({out['device']}; "
-             "in tokens, x = ratio to sp=1; target >= 0.9 sp)", "",
-             "| option | " + " | ".join(f"sp={s}" for s in sps) + " |", "|---" * (len(sps) + 1) + "|"]
+    lines = [
+        f"Longest sequence per rank budget {out['budget_bytes'] / 2**30:g} GiB ({out['device']}; "
+        "in tokens, x = ratio to sp=1; target >= 0.9 sp)",
+        "",
+        "| option | " + " | ".join(f"sp={s}" for s in sps) + " |",
+        "|---" * (len(sps) + 1) + "|",
+    ]
     for o in options:
         cells = []
         for s in sps:
             r = next(r for r in rows if r["option"] == o and r["sp"] == s)
             cells.append(f"{r['longest']:,} ({r['vs_sp1']:.2f}x)")
         lines.append(f"| {o} | " + " | ".join(cells) + " |")
-    lines += ["", "Per-rank peak (MiB) at the measured local lengths; the third predicted from the first two:", "",
-              "| sp | option | local tokens | measured peaks | optimizer step | third predicted | error |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Per-rank peak (MiB) at the measured local lengths; the third predicted from the first two:",
+        "",
+        "| sp | option | local tokens | measured peaks | optimizer step | third predicted | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['sp']} | {r['option']} | {', '.join(map(str, r['lengths']))} | "
-                     + ", ".join(f"{p / 2**20:.0f}" for p in r["peaks"]) + f" | {r['optimizer_peak'] / 2**20:.0f} | "
-                     f"{r['predicted_third'] / 2**20:.0f} | {100 * r['fit_error']:.1f}% |")
+        lines.append(
+            f"| {r['sp']} | {r['option']} | {', '.join(map(str, r['lengths']))} | "
+            + ", ".join(f"{p / 2**20:.0f}" for p in r["peaks"])
+            + f" | {r['optimizer_peak'] / 2**20:.0f} | "
+            f"{r['predicted_third'] / 2**20:.0f} | {100 * r['fit_error']:.1f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def plot(out: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     sps = sorted({r["sp"] for r in out["rows"]})
     for o in dict.fromkeys(r["option"] for r in out["rows"]):
-        ax.plot(sps, [next(r for r in out["rows"] if r["option"] == o and r["sp"] == s)["longest"] for s in sps],
-                marker="o", label=o)
+        ax.plot(
+            sps,
+            [next(r for r in out["rows"] if r["option"] == o and r["sp"] == s)["longest"] for s in sps],
+            marker="o",
+            label=o,
+        )
     ax.set_xscale("log", base=2), ax.set_yscale("log", base=2)
     ax.set_xlabel("sp (ranks per sequence)"), ax.set_ylabel("longest sequence (tokens)")
     ax.set_title(f"Llama-like {out['size']}, fp32 AdamW, {out['budget_bytes'] / 2**30:g} GiB per rank")

@@ -45,6 +45,7 @@ class Blocked:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+
         return wrapper
 
     def __enter__(self):
@@ -65,7 +66,7 @@ def _rounds(fns: dict, reps: int, warmup: int = 1) -> dict:
     """{name: [seconds]}: the functions in rotating order each round; each returns extra numbers or None."""
     names, out = list(fns), {n: [] for n in fns}
     for i in range(warmup + reps):
-        for n in names[i % len(names):] + names[:i % len(names)]:
+        for n in names[i % len(names) :] + names[: i % len(names)]:
             extra = {}
             t = timed(lambda n=n: extra.update(fns[n]() or {}))
             if i >= warmup:
@@ -79,7 +80,7 @@ def _rounds(fns: dict, reps: int, warmup: int = 1) -> dict:
 
 def gloo_async(mib: float, reps: int) -> dict:
     n = dist.get_world_size()
-    send = torch.randn(int(mib * 2 ** 20 / 4) // n * n)
+    send = torch.randn(int(mib * 2**20 / 4) // n * n)
     recv = torch.empty_like(send)
     a = torch.randn(256, 256)
 
@@ -105,8 +106,14 @@ def gloo_async(mib: float, reps: int) -> dict:
     times = _rounds({"comm": comm, "compute": compute, "both": both}, reps)
     med = {k: summary([t for t, _ in v])["median"] for k, v in times.items()}
     hidden = (med["comm"] + med["compute"] - med["both"]) / min(med["comm"], med["compute"])
-    return {"part": "gloo_async", "world": n, "bytes": send.nbytes, **{f"{k}_s": v for k, v in med.items()},
-            "issue_s": summary([e["issue"] for _, e in times["both"]])["median"], "hidden": hidden}
+    return {
+        "part": "gloo_async",
+        "world": n,
+        "bytes": send.nbytes,
+        **{f"{k}_s": v for k, v in med.items()},
+        "issue_s": summary([e["issue"] for _, e in times["both"]])["median"],
+        "hidden": hidden,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,12 +130,12 @@ def ulysses_chunks(seq_len: int, heads: int, kv_heads: int, head_dim: int, reps:
     s_loc, group = seq_len // n, dist.group.WORLD
 
     def shard(h):
-        return torch.randn(1, h, seq_len, head_dim, generator=g)[:, :, rank * s_loc:(rank + 1) * s_loc].contiguous()
+        return torch.randn(1, h, seq_len, head_dim, generator=g)[:, :, rank * s_loc : (rank + 1) * s_loc].contiguous()
 
     q, k, v, grad = shard(heads), shard(kv_heads), shard(kv_heads), shard(heads)
 
     def inner(q_, k_, v_, kv_for_q):
-        return kernels.unmasked(q_, k_, v_, True, head_dim ** -0.5, kv_for_q)
+        return kernels.unmasked(q_, k_, v_, True, head_dim**-0.5, kv_for_q)
 
     def run(fn):
         def step():
@@ -136,6 +143,7 @@ def ulysses_chunks(seq_len: int, heads: int, kv_heads: int, head_dim: int, reps:
             with Blocked(pipeline.Exchange, "wait", "wait_back") as blocked:
                 fn(*x, group, rank, inner).backward(grad)
             return {"blocked": blocked.seconds}
+
         return step
 
     variants = {"previous": run(ulysses_attention_separate)}
@@ -144,8 +152,18 @@ def ulysses_chunks(seq_len: int, heads: int, kv_heads: int, head_dim: int, reps:
             variants[f"chunks {c}"] = run(lambda *a, c=c: ulysses_attention(*a, chunks=c))
     times = _rounds(variants, reps)
     sent = (q.numel() + 2 * k.numel()) * 4 * (n - 1) // n
-    out = {"part": "ulysses_chunks", "world": n, "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
-           "head_dim": head_dim, "sent_bytes": sent, "time_s": {}, "blocked_s": {}, "ratio_vs_chunks1": {}}
+    out = {
+        "part": "ulysses_chunks",
+        "world": n,
+        "seq_len": seq_len,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "sent_bytes": sent,
+        "time_s": {},
+        "blocked_s": {},
+        "ratio_vs_chunks1": {},
+    }
     for name, rows in times.items():
         out["time_s"][name] = summary([t for t, _ in rows])
         out["blocked_s"][name] = summary([e["blocked"] for _, e in rows])["median"] if name != "previous" else None
@@ -158,19 +176,23 @@ def ulysses_chunks(seq_len: int, heads: int, kv_heads: int, head_dim: int, reps:
 
 
 def ring_hops(seq_len: int, heads: int, head_dim: int, reps: int) -> dict:
+    import seqpar_hf
     from seqpar_hf.attention import ring as ring_mod
     from seqpar_hf.attention.masks import MaskSpec, SeqMeta
     from seqpar_hf.parallel.sharding import ShardPlan
-
-    import seqpar_hf
 
     layout = seqpar_hf.ParallelLayout(sp_size=dist.get_world_size(), mode="ring")
     n = layout.sp_size
     plan = ShardPlan.build(seq_len, n, layout.sp_rank, n, zigzag=True)
     meta = SeqMeta(plan, None, None)
-    rplan = ring_mod.RingPlan.build(MaskSpec(meta, meta, True), layout.ring_group, layout.ring_ranks,
-                                    layout.ring_rank, plan.ring_index(layout.ring_rank),
-                                    [plan.ring_index(j) for j in range(n)])
+    rplan = ring_mod.RingPlan.build(
+        MaskSpec(meta, meta, True),
+        layout.ring_group,
+        layout.ring_ranks,
+        layout.ring_rank,
+        plan.ring_index(layout.ring_rank),
+        [plan.ring_index(j) for j in range(n)],
+    )
     g = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(1, heads, seq_len // n, head_dim, generator=g) for _ in range(4))
     blocked = {"forward": [], "backward": []}
@@ -178,7 +200,7 @@ def ring_hops(seq_len: int, heads: int, head_dim: int, reps: int) -> dict:
     def step():
         x = [t.clone().requires_grad_() for t in (q, k, v)]
         with Blocked(ring_mod.Ring, "wait") as fwd:
-            out = ring_mod.ring_attention(*x, rplan, head_dim ** -0.5)
+            out = ring_mod.ring_attention(*x, rplan, head_dim**-0.5)
         with Blocked(ring_mod.Ring, "wait") as bwd:
             out.backward(grad)
         return {"forward": fwd.seconds, "backward": bwd.seconds}
@@ -198,8 +220,14 @@ def ring_hops(seq_len: int, heads: int, head_dim: int, reps: int) -> dict:
         return {"forward": mid - start, "backward": time.perf_counter() - mid}
 
     times = _rounds({"ring": step, "alone": alone}, reps)
-    out = {"part": "ring_hops", "world": n, "seq_len": seq_len, "heads": heads, "head_dim": head_dim,
-           "step_s": summary([t for t, _ in times["ring"]])}
+    out = {
+        "part": "ring_hops",
+        "world": n,
+        "seq_len": seq_len,
+        "heads": heads,
+        "head_dim": head_dim,
+        "step_s": summary([t for t, _ in times["ring"]]),
+    }
     for phase in blocked:
         waited = summary([e[phase] for _, e in times["ring"]])["median"]
         transfer = summary([e[phase] for _, e in times["alone"]])["median"]
@@ -217,32 +245,86 @@ def _worker(cfg: dict) -> list[dict]:
 
 
 def report(records: list[dict]) -> str:
-    a = [{"w": r["world"], "b": fmt_bytes(r["bytes"]), "c": f"{r['comm_s'] * 1e3:.2f}",
-          "i": f"{r['issue_s'] * 1e3:.3f}",
-          "k": f"{r['compute_s'] * 1e3:.2f}", "t": f"{r['both_s'] * 1e3:.2f}", "h": f"{r['hidden']:.2f}"}
-         for r in records if r["part"] == "gloo_async"]
-    out = "(a) gloo all_to_all_single(async_op=True) with a matmul loop:\n\n" + table(a, [
-        ("world", "w"), ("bytes / rank", "b"), ("exchange ms", "c"), ("async call returns after ms", "i"),
-        ("compute ms", "k"), ("both ms", "t"), ("hidden (1 = all)", "h")])
+    a = [
+        {
+            "w": r["world"],
+            "b": fmt_bytes(r["bytes"]),
+            "c": f"{r['comm_s'] * 1e3:.2f}",
+            "i": f"{r['issue_s'] * 1e3:.3f}",
+            "k": f"{r['compute_s'] * 1e3:.2f}",
+            "t": f"{r['both_s'] * 1e3:.2f}",
+            "h": f"{r['hidden']:.2f}",
+        }
+        for r in records
+        if r["part"] == "gloo_async"
+    ]
+    out = "(a) gloo all_to_all_single(async_op=True) with a matmul loop:\n\n" + table(
+        a,
+        [
+            ("world", "w"),
+            ("bytes / rank", "b"),
+            ("exchange ms", "c"),
+            ("async call returns after ms", "i"),
+            ("compute ms", "k"),
+            ("both ms", "t"),
+            ("hidden (1 = all)", "h"),
+        ],
+    )
     b = []
     for r in (r for r in records if r["part"] == "ulysses_chunks"):
         for name, t in r["time_s"].items():
             ratio = r["ratio_vs_chunks1"][name]
-            b.append({"w": r["world"], "s": r["seq_len"], "sent": fmt_bytes(r["sent_bytes"]), "v": name,
-                      "t": f"{t['median'] * 1e3:.1f}", "bl": "-" if r["blocked_s"][name] is None else
-                      f"{r['blocked_s'][name] * 1e3:.1f}",
-                      "r": f"{ratio['median']:.3f} (±{100 * ratio['spread']:.0f}%)"})
-    out += "\n\n(b) Ulysses attention forward + backward by chunks:\n\n" + table(b, [
-        ("world", "w"), ("tokens", "s"), ("q/k/v sent / rank", "sent"), ("exchange", "v"), ("ms", "t"),
-        ("blocked in waits ms", "bl"), ("time / chunks 1", "r")])
-    c = [{"w": r["world"], "s": r["seq_len"], "t": f"{r['step_s']['median'] * 1e3:.1f}",
-          **{p[0] + k: f"{r[p][key] * (1e3 if key != 'exposed' else 1):.{2 if key == 'exposed' else 1}f}"
-             for p in ("forward", "backward")
-             for k, key in (("b", "blocked_s"), ("a", "transfer_alone_s"), ("e", "exposed"))}}
-         for r in records if r["part"] == "ring_hops"]
-    out += "\n\n(c) ring attention: time blocked waiting for transfers vs the transfers alone:\n\n" + table(c, [
-        ("world", "w"), ("tokens", "s"), ("fwd+bwd ms", "t"), ("fwd blocked ms", "fb"), ("fwd alone ms", "fa"),
-        ("fwd exposed", "fe"), ("bwd blocked ms", "bb"), ("bwd alone ms", "ba"), ("bwd exposed", "be")])
+            b.append(
+                {
+                    "w": r["world"],
+                    "s": r["seq_len"],
+                    "sent": fmt_bytes(r["sent_bytes"]),
+                    "v": name,
+                    "t": f"{t['median'] * 1e3:.1f}",
+                    "bl": "-" if r["blocked_s"][name] is None else f"{r['blocked_s'][name] * 1e3:.1f}",
+                    "r": f"{ratio['median']:.3f} (±{100 * ratio['spread']:.0f}%)",
+                }
+            )
+    out += "\n\n(b) Ulysses attention forward + backward by chunks:\n\n" + table(
+        b,
+        [
+            ("world", "w"),
+            ("tokens", "s"),
+            ("q/k/v sent / rank", "sent"),
+            ("exchange", "v"),
+            ("ms", "t"),
+            ("blocked in waits ms", "bl"),
+            ("time / chunks 1", "r"),
+        ],
+    )
+    c = [
+        {
+            "w": r["world"],
+            "s": r["seq_len"],
+            "t": f"{r['step_s']['median'] * 1e3:.1f}",
+            **{
+                p[0] + k: f"{r[p][key] * (1e3 if key != 'exposed' else 1):.{2 if key == 'exposed' else 1}f}"
+                for p in ("forward", "backward")
+                for k, key in (("b", "blocked_s"), ("a", "transfer_alone_s"), ("e", "exposed"))
+            },
+        }
+        for r in records
+        if r["part"] == "ring_hops"
+    ]
+    out += "\n\n(c) ring attention: time blocked waiting for transfers vs the transfers alone:\n\n" + table(
+        c,
+        [
+            ("world", "w"),
+            ("tokens", "s"),
+            ("fwd+bwd ms", "t"),
+            ("fwd blocked ms", "fb"),
+            ("fwd alone ms", "fa"),
+            ("fwd exposed", "fe"),
+            ("bwd blocked ms", "bb"),
+            ("bwd alone ms", "ba"),
+            ("bwd exposed", "be"),
+        ],
+    )
     return out
 
 
@@ -263,6 +345,7 @@ def main(argv=None):
         args.world, args.mib, args.seq_lens, args.reps, args.long_reps = [2], [1], [512, 2048], 3, 3
     print(f"# overlap of communication and compute, fp32, batch 1\n{environment()}; gloo processes x 1 torch thread\n")
     from tests.helpers.spawn import spawn
+
     cfg = {k: getattr(args, k) for k in ("mib", "seq_lens", "heads", "kv_heads", "head_dim", "reps", "long_reps")}
     records = [r for n in args.world for r in spawn(_worker, n, cfg, timeout=7200)[0]]
     print(report(records))

@@ -53,8 +53,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     p.add_argument("--doc-len", type=int, default=1024)
-    p.add_argument("--unpatched-up-to", type=int, default=65536,
-                   help="largest length for the unpatched model (its mask is quadratic)")
+    p.add_argument(
+        "--unpatched-up-to",
+        type=int,
+        default=65536,
+        help="largest length for the unpatched model (its mask is quadratic)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -80,19 +84,45 @@ def main(argv=None) -> None:
                 rows.append({"variant": variant, "length": length, "peak": None, "seconds": None})
                 print(f"{variant} {length}: out of memory", flush=True)
                 break
-            rows.append({"variant": variant, "length": length, "peak": peak, "per_token": peak / length,
-                         "seconds": seconds, "tokens_per_s": length / seconds})
-            print(f"{variant} {length}: {fmt_bytes(peak)} ({peak / length / 1024:.1f} KiB/token), {seconds:.3f} s",
-                  flush=True)
+            rows.append(
+                {
+                    "variant": variant,
+                    "length": length,
+                    "peak": peak,
+                    "per_token": peak / length,
+                    "seconds": seconds,
+                    "tokens_per_s": length / seconds,
+                }
+            )
+            print(
+                f"{variant} {length}: {fmt_bytes(peak)} ({peak / length / 1024:.1f} KiB/token), {seconds:.3f} s",
+                flush=True,
+            )
         del model
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    shown = [{**r, "peak": "OOM" if r["peak"] is None else fmt_bytes(r["peak"]),
-              "per_token": f"{r.get('per_token', 0) / 1024:.1f} KiB",
-              "seconds": "OOM" if r["seconds"] is None else f"{r['seconds']:.3f}"} for r in rows]
-    print(table(shown, [("model", "variant"), ("row tokens", "length"), ("activation peak", "peak"),
-                        ("per token", "per_token"), ("step s", "seconds")]))
+    shown = [
+        {
+            **r,
+            "peak": "OOM" if r["peak"] is None else fmt_bytes(r["peak"]),
+            "per_token": f"{r.get('per_token', 0) / 1024:.1f} KiB",
+            "seconds": "OOM" if r["seconds"] is None else f"{r['seconds']:.3f}",
+        }
+        for r in rows
+    ]
+    print(
+        table(
+            shown,
+            [
+                ("model", "variant"),
+                ("row tokens", "length"),
+                ("activation peak", "peak"),
+                ("per token", "per_token"),
+                ("step s", "seconds"),
+            ],
+        )
+    )
     if args.json:
         write_json(args.json, rows)
 

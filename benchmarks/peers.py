@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,10 @@ from seqpar_hf.attention import kernels
 from seqpar_hf.attention.ulysses import auto_chunks, ulysses_attention, ulysses_attention_separate
 from seqpar_hf.models.forward.sites import site_of
 
-INSTALL = {"deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8",
-           "ringmaster": "pip install axolotl-ringmaster==0.2.7"}
+INSTALL = {
+    "deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8",
+    "ringmaster": "pip install axolotl-ringmaster==0.2.7",
+}
 
 
 class Unavailable(Exception):
@@ -51,7 +53,7 @@ def need(module: str) -> None:
         raise Unavailable(f"not installed: {INSTALL[module]}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ringmaster_runtime(world: int):
     """ringmaster's process-wide runtime: Ulysses over all `world` ranks, HF's SDPA as the inner kernel."""
     need("ringmaster")
@@ -74,6 +76,7 @@ def _exchange(chunks):
         n = dist.get_world_size(group)
         c = auto_chunks(q, k, n) if chunks == "auto" else min(chunks, max(q.shape[1] // n, 1))
         return ulysses_attention(q, k, v, group, rank, inner, c)
+
     return run
 
 
@@ -86,7 +89,9 @@ def ours_attention(chunks="auto"):
 
         def attend(q, k, v):  # HF's [b, s/n, h, d] seen as [b, h, s/n, d], and the result back
             return exchange(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, rank, inner).transpose(1, 2)
+
         return attend
+
     return make
 
 
@@ -95,6 +100,7 @@ def ours_model(chunks="auto"):
         seqpar_hf.patch_model(model, layout)
         if chunks != "auto":  # the same patched model; its attention sites call this exchange instead
             use_exchange(model, layout, _exchange(chunks))
+
     return make
 
 
@@ -110,7 +116,9 @@ def use_exchange(model, layout, exchange) -> None:
 
             def inner(q_, k_, v_, kv_for_q):
                 return kernels.attention(q_, k_, v_, pattern, scale, dropout, kv_for_q)
+
             return exchange(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner)
+
         site.attend = attend  # instance attribute: only this model's sites
 
 
@@ -143,8 +151,16 @@ def ringmaster_attention(group, case):
     module.num_key_value_groups, module.is_causal = case["heads"] // case["kv_heads"], case["causal"]
 
     def attend(q, k, v):  # ringmaster takes HF's [b, h, s/n, d] and returns [b, s/n, h, d]
-        return forward(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                       scaling=case["scale"], is_causal=case["causal"])[0]
+        return forward(
+            module,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            None,
+            scaling=case["scale"],
+            is_causal=case["causal"],
+        )[0]
+
     return attend
 
 
@@ -164,8 +180,10 @@ class Impl:
     model: Callable
 
 
-IMPLS = [Impl("seqpar_hf", True, ours_attention(), ours_model()),
-         Impl("seqpar_hf-chunks2", True, ours_attention(2), ours_model(2)),
-         Impl("deepspeed", False, deepspeed_attention, deepspeed_model),
-         Impl("ringmaster", False, ringmaster_attention, ringmaster_model),
-         Impl("seqpar_hf-previous", False, ours_attention("previous"), ours_model("previous"))]
+IMPLS = [
+    Impl("seqpar_hf", True, ours_attention(), ours_model()),
+    Impl("seqpar_hf-chunks2", True, ours_attention(2), ours_model(2)),
+    Impl("deepspeed", False, deepspeed_attention, deepspeed_model),
+    Impl("ringmaster", False, ringmaster_attention, ringmaster_model),
+    Impl("seqpar_hf-previous", False, ours_attention("previous"), ours_model("previous")),
+]

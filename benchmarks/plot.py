@@ -1,5 +1,7 @@
 """PNG figures from the benchmark JSON records (each script also calls its function after a full run).
 
+From the repository root:
+
     python -m benchmarks.plot                          # every benchmarks/results/<name>.json present
     python -m benchmarks.plot --results DIR --out DIR  # elsewhere
 """
@@ -17,7 +19,7 @@ import matplotlib.pyplot as plt
 
 from benchmarks.common import FIGURES, RESULTS, records_of
 
-MIB, GIB = 2 ** 20, 2 ** 30
+MIB, GIB = 2**20, 2**30
 
 
 def _save(fig, out_dir, name: str) -> Path:
@@ -48,8 +50,13 @@ def plot_activation_memory(records: list[dict], out_dir=FIGURES) -> Path:
             xs, ys = zip(*sorted(pts))
             ax.plot(xs, ys, marker="o", label=label)
         for sp in sorted({r["sp"] for r in records}):  # Megatron without the s^2 term, for reference
-            pts = sorted({(r["seq_len"], r["megatron_fp32_no_s2_bytes"] / MIB) for r in records
-                          if r["model"] == model and r["sp"] == sp})
+            pts = sorted(
+                {
+                    (r["seq_len"], r["megatron_fp32_no_s2_bytes"] / MIB)
+                    for r in records
+                    if r["model"] == model and r["sp"] == sp
+                }
+            )
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, ls=":", color="gray", lw=1)
@@ -100,21 +107,40 @@ def plot_throughput(records: list[dict], out_dir=FIGURES) -> Path:
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
     for ax, part in zip(axes[0], parts):
         rs = [r for r in records if r["part"] == part]
-        _bars(ax, [f"{r['variant']}\n{r['processes']}x{r['threads_per_process']}" for r in rs],
-              [r["tokens_per_s"] for r in rs], [r["tokens_per_step"] / r["step_s"]["max"] for r in rs],
-              [r["tokens_per_step"] / r["step_s"]["min"] for r in rs], "tokens / s",
-              f"{rs[0]['model']}: " + ("patch overhead" if part == "overhead" else f"{max(r['seq_len'] for r in rs)} "
-                                       "tokens (src + tgt per step)"))
+        _bars(
+            ax,
+            [f"{r['variant']}\n{r['processes']}x{r['threads_per_process']}" for r in rs],
+            [r["tokens_per_s"] for r in rs],
+            [r["tokens_per_step"] / r["step_s"]["max"] for r in rs],
+            [r["tokens_per_step"] / r["step_s"]["min"] for r in rs],
+            "tokens / s",
+            f"{rs[0]['model']}: "
+            + (
+                "patch overhead"
+                if part == "overhead"
+                else f"{max(r['seq_len'] for r in rs)} tokens (src + tgt per step)"
+            ),
+        )
     return _save(fig, out_dir, "throughput")
 
 
 def plot_vs_deepspeed(records: list[dict], out_dir=FIGURES) -> Path:
     """Median time ratio ours / DeepSpeed per case, min-max bars; below 1 means ours is faster."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    labels = [(f"attn {r['seq_len']}" if r["part"] == "attention" else f"{r['model']} {r['seq_len']}")
-              + (" causal" if r["causal"] else "") for r in records]
-    _bars(ax, labels, [r["ratio_median"] for r in records], [r["ratio"]["min"] for r in records],
-          [r["ratio"]["max"] for r in records], "time ours / DeepSpeed", "Ulysses: seqpar_hf vs DeepSpeed (sp=2)")
+    labels = [
+        (f"attn {r['seq_len']}" if r["part"] == "attention" else f"{r['model']} {r['seq_len']}")
+        + (" causal" if r["causal"] else "")
+        for r in records
+    ]
+    _bars(
+        ax,
+        labels,
+        [r["ratio_median"] for r in records],
+        [r["ratio"]["min"] for r in records],
+        [r["ratio"]["max"] for r in records],
+        "time ours / DeepSpeed",
+        "Ulysses: seqpar_hf vs DeepSpeed (sp=2)",
+    )
     ax.axhline(1.0, color="gray", ls="--", lw=1)
     return _save(fig, out_dir, "vs_deepspeed")
 
@@ -127,10 +153,24 @@ def plot_vs_peers(records: list[dict], out_dir=FIGURES) -> Path:
     fig, axes = plt.subplots(len(pairs), 1, figsize=(14, 3.8 * len(pairs)), squeeze=False)
     for ax, pair in zip(axes[:, 0], pairs):
         rs = [r for r in records if pair in r["ratios"]]
-        labels = [(f"attn kv={r['kv_heads']} {r['seq_len']}" if r["part"] == "attention" else
-                   f"step {r['layers']}L {r['seq_len']}") + f" sp={r['sp']}" for r in rs]
-        _bars(ax, labels, [r["ratios"][pair]["median"] for r in rs], [r["ratios"][pair]["min"] for r in rs],
-              [r["ratios"][pair]["max"] for r in rs], f"time {pair}", f"Ulysses, {pair.replace('/', ' / ')}")
+        labels = [
+            (
+                f"attn kv={r['kv_heads']} {r['seq_len']}"
+                if r["part"] == "attention"
+                else f"step {r['layers']}L {r['seq_len']}"
+            )
+            + f" sp={r['sp']}"
+            for r in rs
+        ]
+        _bars(
+            ax,
+            labels,
+            [r["ratios"][pair]["median"] for r in rs],
+            [r["ratios"][pair]["min"] for r in rs],
+            [r["ratios"][pair]["max"] for r in rs],
+            f"time {pair}",
+            f"Ulysses, {pair.replace('/', ' / ')}",
+        )
         ax.axhline(1.0, color="gray", ls="--", lw=1)
     return _save(fig, out_dir, "vs_peers")
 
@@ -142,8 +182,9 @@ def plot_gpu_rank(records: list[dict], out_dir=FIGURES) -> Path:
     panels = [(False, "time"), (True, "time")]
     if any("peak_bytes" in r for r in steps):  # no memory numbers from a CPU run
         panels = [(False, "mem"), (True, "mem")] + panels
-    fig, axes = plt.subplots(max(len(models), 1), len(panels), figsize=(5 * len(panels), 4.5 * max(len(models), 1)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        max(len(models), 1), len(panels), figsize=(5 * len(panels), 4.5 * max(len(models), 1)), squeeze=False
+    )
     for row, model in zip(axes, models):
         for col, (ckpt, what) in enumerate(panels):
             ax, lines = row[col], defaultdict(list)
@@ -163,9 +204,14 @@ def plot_gpu_rank(records: list[dict], out_dir=FIGURES) -> Path:
     return _save(fig, out_dir, "gpu_rank")
 
 
-PLOTS = {"activation_memory": plot_activation_memory, "comm_volume": plot_comm_volume,
-         "throughput": plot_throughput, "vs_deepspeed": plot_vs_deepspeed, "vs_peers": plot_vs_peers,
-         "gpu_rank": plot_gpu_rank}
+PLOTS = {
+    "activation_memory": plot_activation_memory,
+    "comm_volume": plot_comm_volume,
+    "throughput": plot_throughput,
+    "vs_deepspeed": plot_vs_deepspeed,
+    "vs_peers": plot_vs_peers,
+    "gpu_rank": plot_gpu_rank,
+}
 
 
 def main(argv=None):

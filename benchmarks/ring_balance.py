@@ -48,8 +48,10 @@ def main():
             work = rank_work(args.seq_len, sp, zigzag)
             needed = [w[0] for w in work]
             computed = [w[1] for w in work]
-            print(f"| {sp} | {'zigzag' if zigzag else 'contiguous'} | {max(needed) / (sum(needed) / sp):.3f} | "
-                  f"{max(computed) / (sum(computed) / sp):.3f} |")
+            print(
+                f"| {sp} | {'zigzag' if zigzag else 'contiguous'} | {max(needed) / (sum(needed) / sp):.3f} | "
+                f"{max(computed) / (sum(computed) / sp):.3f} |"
+            )
 
 
 if __name__ == "__main__":

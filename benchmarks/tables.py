@@ -1,5 +1,7 @@
 """The README's result tables, rendered from the benchmark JSON records (no measuring here).
 
+From the repository root:
+
     python -m benchmarks.tables                  # every benchmarks/results/<name>.json present
     python -m benchmarks.tables --results DIR
 """
@@ -36,10 +38,19 @@ def activation_memory(records: list[dict]) -> str:
         row["meg"] = fmt_bytes(meg["megatron_fp32_no_s2_bytes"]) if meg else "-"
         row["w"] = "-" if worst is None else f"{worst:.3f} x 1/N"
         rows.append(row)
-    cols = [("model", "m"), ("seq len", "s"), ("unpatched", "unpatched1"), ("sp=1", "sp11"),
-            ("Ulysses sp=2", "ulysses2"), ("ring sp=2", "ring2"), ("Ulysses sp=4", "ulysses4"),
-            ("ring sp=4", "ring4"), ("hybrid sp=4", "hybrid4"), ("Megatron sp=1 (no s^2)", "meg"),
-            ("worst (target <= 1.10 x 1/N)", "w")]
+    cols = [
+        ("model", "m"),
+        ("seq len", "s"),
+        ("unpatched", "unpatched1"),
+        ("sp=1", "sp11"),
+        ("Ulysses sp=2", "ulysses2"),
+        ("ring sp=2", "ring2"),
+        ("Ulysses sp=4", "ulysses4"),
+        ("ring sp=4", "ring4"),
+        ("hybrid sp=4", "hybrid4"),
+        ("Megatron sp=1 (no s^2)", "meg"),
+        ("worst (target <= 1.10 x 1/N)", "w"),
+    ]
     return table(rows, cols)
 
 
@@ -55,13 +66,31 @@ def comm_volume(records: list[dict]) -> str:
     rows = []
     for (model, mode, sp, ring, s, t), v in per.items():
         err = abs(v["sent"] - v["formula"]) / v["formula"] if v["formula"] else 0.0
-        rows.append({"m": model, "len": f"{s} -> {t}" if t else s,
-                     "mode": mode + (f" (ring {ring})" if mode == "hybrid" else ""), "sp": sp,
-                     "sent": fmt_bytes(v["sent"]), "f": fmt_bytes(v["formula"]), "e": f"{100 * err:.2f}%",
-                     "x": fmt_bytes(v["extra"])})
-    return table(rows, [("model", "m"), ("tokens", "len"), ("mode", "mode"), ("sp", "sp"),
-                        ("sent per rank per step (attention, fwd+bwd)", "sent"), ("formula", "f"),
-                        ("error", "e"), ("extras (input check, loss)", "x")])
+        rows.append(
+            {
+                "m": model,
+                "len": f"{s} -> {t}" if t else s,
+                "mode": mode + (f" (ring {ring})" if mode == "hybrid" else ""),
+                "sp": sp,
+                "sent": fmt_bytes(v["sent"]),
+                "f": fmt_bytes(v["formula"]),
+                "e": f"{100 * err:.2f}%",
+                "x": fmt_bytes(v["extra"]),
+            }
+        )
+    return table(
+        rows,
+        [
+            ("model", "m"),
+            ("tokens", "len"),
+            ("mode", "mode"),
+            ("sp", "sp"),
+            ("sent per rank per step (attention, fwd+bwd)", "sent"),
+            ("formula", "f"),
+            ("error", "e"),
+            ("extras (input check, loss)", "x"),
+        ],
+    )
 
 
 def throughput(records: list[dict]) -> str:
@@ -69,15 +98,35 @@ def throughput(records: list[dict]) -> str:
     for r in records:
         s = r["step_s"]
         name = r["variant"] + (f" (overhead {100 * r['overhead']:+.1f}%)" if "overhead" in r else "")
-        rows.append({"run": name, "pt": f"{r['processes']} x {r['threads_per_process']}", "s": r["seq_len"],
-                     "t": f"{s['median']:.3f} (±{100 * s['spread']:.0f}%, n={s['n']})",
-                     "tok": f"{r['tokens_per_s']:.0f}"})
-    return table(rows, [("run (marian-small)", "run"), ("processes x threads", "pt"), ("seq len / rank", "s"),
-                        ("step s (median, spread, rounds)", "t"), ("tokens/s", "tok")])
+        rows.append(
+            {
+                "run": name,
+                "pt": f"{r['processes']} x {r['threads_per_process']}",
+                "s": r["seq_len"],
+                "t": f"{s['median']:.3f} (±{100 * s['spread']:.0f}%, n={s['n']})",
+                "tok": f"{r['tokens_per_s']:.0f}",
+            }
+        )
+    return table(
+        rows,
+        [
+            ("run (marian-small)", "run"),
+            ("processes x threads", "pt"),
+            ("seq len / rank", "s"),
+            ("step s (median, spread, rounds)", "t"),
+            ("tokens/s", "tok"),
+        ],
+    )
 
 
 TABLES = {"activation_memory": activation_memory, "comm_volume": comm_volume, "throughput": throughput}
-OWN_REPORT = ("vs_deepspeed", "vs_peers", "attention_breakdown", "gpu_rank", "parallel_styles")  # scripts whose `report` renders them
+OWN_REPORT = (
+    "vs_deepspeed",
+    "vs_peers",
+    "attention_breakdown",
+    "gpu_rank",
+    "parallel_styles",
+)  # scripts whose `report` renders them
 
 
 def render(name: str, records: list[dict]) -> str:

@@ -63,9 +63,19 @@ def alternate(runners: dict, warmup: int, reps: int, sync=None) -> dict[str, lis
 
 def record(part, variant, spec, seq_len_per_rank, processes, threads, tokens_per_step, times, **extra) -> dict:
     s = summary(times)
-    return {"part": part, "variant": variant, "model": spec.name, "seq_len": seq_len_per_rank,
-            "processes": processes, "threads_per_process": threads, "tokens_per_step": tokens_per_step,
-            "step_s": s, "tokens_per_s": tokens_per_step / s["median"], "times_s": times, **extra}
+    return {
+        "part": part,
+        "variant": variant,
+        "model": spec.name,
+        "seq_len": seq_len_per_rank,
+        "processes": processes,
+        "threads_per_process": threads,
+        "tokens_per_step": tokens_per_step,
+        "step_s": s,
+        "tokens_per_s": tokens_per_step / s["median"],
+        "times_s": times,
+        **extra,
+    }
 
 
 def overhead(spec, seq_len: int, threads: int, warmup: int, reps: int) -> list[dict]:
@@ -73,14 +83,28 @@ def overhead(spec, seq_len: int, threads: int, warmup: int, reps: int) -> list[d
     base = build_model(spec, max_len=seq_len)
     patched = seqpar_hf.patch_model(copy.deepcopy(base), seqpar_hf.ParallelLayout(1))
     batch = make_batch(spec, seq_len)
-    times = alternate({"unpatched": lambda: step_time(base, batch), "patched sp=1": lambda: step_time(patched, batch)},
-                      warmup, reps)
+    times = alternate(
+        {"unpatched": lambda: step_time(base, batch), "patched sp=1": lambda: step_time(patched, batch)}, warmup, reps
+    )
     ratios = [p / u for p, u in zip(times["patched sp=1"], times["unpatched"])]  # paired, same round
     n = tokens(spec, seq_len)
     ratio = statistics.median(times["patched sp=1"]) / statistics.median(times["unpatched"])
-    return [record("overhead", "unpatched", spec, seq_len, 1, threads, n, times["unpatched"]),
-            record("overhead", "patched sp=1", spec, seq_len, 1, threads, n, times["patched sp=1"],
-                   overhead=ratio - 1, paired_ratio=summary(ratios), meets_target=ratio - 1 <= OVERHEAD_TARGET)]
+    return [
+        record("overhead", "unpatched", spec, seq_len, 1, threads, n, times["unpatched"]),
+        record(
+            "overhead",
+            "patched sp=1",
+            spec,
+            seq_len,
+            1,
+            threads,
+            n,
+            times["patched sp=1"],
+            overhead=ratio - 1,
+            paired_ratio=summary(ratios),
+            meets_target=ratio - 1 <= OVERHEAD_TARGET,
+        ),
+    ]
 
 
 def _long_worker(name: str, long_len: int, warmup: int, reps: int) -> list[dict]:
@@ -88,9 +112,11 @@ def _long_worker(name: str, long_len: int, warmup: int, reps: int) -> list[dict]
     base = build_model(spec, max_len=long_len)
     uly = seqpar_hf.ParallelLayout(2, mode="ulysses")
     ring = seqpar_hf.ParallelLayout(2, mode="ring")
-    models = {"sp=2 ulysses": DDP(seqpar_hf.patch_model(copy.deepcopy(base), uly)),
-              "sp=2 ring": DDP(seqpar_hf.patch_model(copy.deepcopy(base), ring)),
-              "dp=2, half length": DDP(base)}
+    models = {
+        "sp=2 ulysses": DDP(seqpar_hf.patch_model(copy.deepcopy(base), uly)),
+        "sp=2 ring": DDP(seqpar_hf.patch_model(copy.deepcopy(base), ring)),
+        "dp=2, half length": DDP(base),
+    }
     full = make_batch(spec, long_len)  # the SP group's one sequence, the same on both ranks
     half = make_batch(spec, long_len // 2, seed=1 + rank)  # DP: each rank its own shorter sequence
     batches = {"sp=2 ulysses": full, "sp=2 ring": full, "dp=2, half length": half}
@@ -104,13 +130,16 @@ def _long_worker(name: str, long_len: int, warmup: int, reps: int) -> list[dict]
         def run():
             dist.barrier()  # start together: the step time is the slowest rank's
             return step_time(models[v], batches[v])
+
         return run
 
     times = alternate({v: runner(v) for v in models}, warmup, reps, sync=slowest)
     n = tokens(spec, long_len)
-    return [record("long", "sp=2 ulysses", spec, long_len, 2, 1, n, times["sp=2 ulysses"]),
-            record("long", "sp=2 ring", spec, long_len, 2, 1, n, times["sp=2 ring"]),
-            record("long", "dp=2, half length", spec, long_len // 2, 2, 1, n, times["dp=2, half length"])]
+    return [
+        record("long", "sp=2 ulysses", spec, long_len, 2, 1, n, times["sp=2 ulysses"]),
+        record("long", "sp=2 ring", spec, long_len, 2, 1, n, times["sp=2 ring"]),
+        record("long", "dp=2, half length", spec, long_len // 2, 2, 1, n, times["dp=2, half length"]),
+    ]
 
 
 def single_process(spec, long_len, threads, warmup, reps) -> dict:
@@ -125,14 +154,34 @@ def report(records: list[dict]) -> str:
     rows = []
     for r in records:
         s = r["step_s"]
-        rows.append({**r, "t": f"{s['median']:.3f}", "range": f"{s['min']:.3f}-{s['max']:.3f}",
-                     "sp": f"±{100 * s['spread']:.1f}%", "tps": f"{r['tokens_per_s']:.0f}",
-                     "pt": f"{r['processes']} x {r['threads_per_process']}",
-                     "o": f"{100 * r['overhead']:+.1f}%" if "overhead" in r else "",
-                     "ok": {True: "yes", False: "NO"}.get(r.get("meets_target"), "")})
-    return table(rows, [("part", "part"), ("variant", "variant"), ("model", "model"), ("seq len / rank", "seq_len"),
-                        ("processes x threads", "pt"), ("step s (median)", "t"), ("min-max", "range"),
-                        ("spread", "sp"), ("tokens/s", "tps"), ("overhead", "o"), ("<= 5%", "ok")])
+        rows.append(
+            {
+                **r,
+                "t": f"{s['median']:.3f}",
+                "range": f"{s['min']:.3f}-{s['max']:.3f}",
+                "sp": f"±{100 * s['spread']:.1f}%",
+                "tps": f"{r['tokens_per_s']:.0f}",
+                "pt": f"{r['processes']} x {r['threads_per_process']}",
+                "o": f"{100 * r['overhead']:+.1f}%" if "overhead" in r else "",
+                "ok": {True: "yes", False: "NO"}.get(r.get("meets_target"), ""),
+            }
+        )
+    return table(
+        rows,
+        [
+            ("part", "part"),
+            ("variant", "variant"),
+            ("model", "model"),
+            ("seq len / rank", "seq_len"),
+            ("processes x threads", "pt"),
+            ("step s (median)", "t"),
+            ("min-max", "range"),
+            ("spread", "sp"),
+            ("tokens/s", "tps"),
+            ("overhead", "o"),
+            ("<= 5%", "ok"),
+        ],
+    )
 
 
 def main(argv=None):
@@ -140,8 +189,13 @@ def main(argv=None):
     p.add_argument("--model", default="marian-small", choices=sorted(MODELS))
     p.add_argument("--seq-len", type=int, default=2048, help="(a) source and target length")
     p.add_argument("--long-len", type=int, default=4096, help="(b) full length of the long sequence")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the single-process runs "
-                   "(default 2, both cores; 1 with --quick: 2 threads next to another busy process thrash)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the single-process runs "
+        "(default 2, both cores; 1 with --quick: 2 threads next to another busy process thrash)",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=7, help="(a) timed rounds")
     p.add_argument("--long-reps", type=int, default=5, help="(b) timed rounds")
@@ -154,15 +208,18 @@ def main(argv=None):
     if args.threads is None:
         args.threads = 1 if args.quick else 2
     spec = MODELS[args.model]
-    print(f"# CPU throughput, {spec.name}, fp32, batch 1, forward + backward\n{environment()}\n"
-          f"(a) in this process with {args.threads} threads; (b) 2 gloo processes x 1 thread, then 1 process x "
-          f"{args.threads} threads\n")
+    print(
+        f"# CPU throughput, {spec.name}, fp32, batch 1, forward + backward\n{environment()}\n"
+        f"(a) in this process with {args.threads} threads; (b) 2 gloo processes x 1 thread, then 1 process x "
+        f"{args.threads} threads\n"
+    )
 
     records = []
     if args.skip != "overhead":
         records += overhead(spec, args.seq_len, args.threads, args.warmup, args.reps)
     if args.skip != "long":
         from tests.helpers.spawn import spawn
+
         records += spawn(_long_worker, 2, spec.name, args.long_len, args.warmup, args.long_reps, timeout=3600)[0]
         records.append(single_process(spec, args.long_len, args.threads, args.warmup, args.long_reps))
     print(report(records))

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar_hf
-from benchmarks.common import (MODELS, attention_modules, build_model, environment, make_batch, summary,
-                               table)
+from benchmarks.common import MODELS, attention_modules, build_model, environment, make_batch, summary, table
 from benchmarks.publish import output_options, publish
 from seqpar_hf.attention import kernels
 from seqpar_hf.attention.ulysses import ulysses_attention
@@ -56,8 +55,9 @@ def ds_local_attention(q, k, v, causal: bool, scale: float):
     """DeepSpeed hands the local kernel [b, s, h/n, d]; run the same SDPA call as ours."""
     rep = q.shape[2] // k.shape[2]
     kv_for_q = None if rep == 1 else tuple(i // rep for i in range(q.shape[2]))  # same GQA path as ours
-    out = kernels.unmasked(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale,
-                           kv_for_q)  # [b, h/n, s, d]
+    out = kernels.unmasked(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale, kv_for_q
+    )  # [b, h/n, s, d]
     return out.transpose(1, 2)  # -> [b, s, h/n, d]
 
 
@@ -86,18 +86,22 @@ def compare(ours, theirs, warmup: int, reps: int) -> dict:
             t_ours.append(a)
             t_ds.append(b)
     ratios = [a / b for a, b in zip(t_ours, t_ds)]
-    return {"ours_s": summary(t_ours), "deepspeed_s": summary(t_ds), "ratio": summary(ratios),
-            "ratio_median": statistics.median(ratios)}
+    return {
+        "ours_s": summary(t_ours),
+        "deepspeed_s": summary(t_ds),
+        "ratio": summary(ratios),
+        "ratio_median": statistics.median(ratios),
+    }
 
 
 def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_heads, head_dim, warmup, reps) -> dict:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(0)  # same full tensors on every rank; each takes its sequence shard
-    s_loc, scale = seq_len // n, head_dim ** -0.5
+    s_loc, scale = seq_len // n, head_dim**-0.5
 
     def shard(h):
         full = torch.randn(1, seq_len, h, head_dim, generator=g)  # [b, s, h, d]
-        return full[:, rank * s_loc:(rank + 1) * s_loc].contiguous().requires_grad_()  # [b, s/n, h, d]
+        return full[:, rank * s_loc : (rank + 1) * s_loc].contiguous().requires_grad_()  # [b, s/n, h, d]
 
     q, k, v, grad = shard(heads), shard(kv_heads), shard(kv_heads), shard(heads).detach()
 
@@ -108,8 +112,9 @@ def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_head
 
     def ours_out():
         # HF layout: [b, s/n, h, d] seen as [b, h, s/n, d]; the result back to [b, s/n, h, d]
-        return ulysses_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, rank,
-                                 inner).transpose(1, 2)
+        return ulysses_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, rank, inner).transpose(
+            1, 2
+        )
 
     def theirs_out():
         return ds_attn(q, k, v, 0, None, causal, scale)  # batch_dim_idx=0, no rotary
@@ -119,6 +124,7 @@ def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_head
             out_fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
+
         return run
 
     a, b = ours_out(), theirs_out()
@@ -131,8 +137,17 @@ def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_head
     for t in (q, k, v):
         t.grad = None
     result = compare(step(ours_out), step(theirs_out), warmup, reps)
-    return {"part": "attention", "seq_len": seq_len, "causal": causal, "heads": heads, "kv_heads": kv_heads,
-            "head_dim": head_dim, "sp": n, "max_abs_diff": diff, **result}
+    return {
+        "part": "attention",
+        "seq_len": seq_len,
+        "causal": causal,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "sp": n,
+        "max_abs_diff": diff,
+        **result,
+    }
 
 
 def use_deepspeed_attention(model, DistributedAttention, group) -> None:
@@ -141,12 +156,13 @@ def use_deepspeed_attention(model, DistributedAttention, group) -> None:
         site = site_of(module)
         ds_attn = DistributedAttention(ds_local_attention, group, scatter_idx=2, gather_idx=1)
 
-        def attend(ctx, q, k, v, causal, window, scale, dropout, ds_attn=ds_attn):
+        def attend(ctx, q, k, v, causal, window, scale, dropout, ds_attn=ds_attn, site=site):
             if not ctx.pattern(site.q_side, site.kv_side, causal, window).spec.trivial or dropout:
                 raise NotImplementedError("the DeepSpeed comparison runs without padding and dropout")
             scale = q.shape[-1] ** -0.5 if scale is None else scale
             out = ds_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, causal, scale)
             return out.transpose(1, 2)  # [b, s/n, h, d] -> [b, h, s/n, d], what AttentionSite.attend returns
+
         site.attend = attend  # instance attribute: only this model's sites
 
 
@@ -164,11 +180,19 @@ def _model_case(DistributedAttention, layout, name, seq_len, warmup, reps) -> di
         def run():
             model(**batch).loss.backward()
             model.zero_grad(set_to_none=True)
+
         return run
 
     result = compare(step(ours), step(theirs), warmup, reps)
-    return {"part": "model", "model": name, "seq_len": seq_len, "causal": True, "sp": layout.sp_size,
-            "loss_abs_diff": diff, **result}
+    return {
+        "part": "model",
+        "model": name,
+        "seq_len": seq_len,
+        "causal": True,
+        "sp": layout.sp_size,
+        "loss_abs_diff": diff,
+        **result,
+    }
 
 
 def _worker(cfg: dict) -> list[dict]:
@@ -178,27 +202,63 @@ def _worker(cfg: dict) -> list[dict]:
     for seq_len in cfg["seq_lens"]:
         reps = cfg["reps"] if seq_len <= 4096 else cfg["long_reps"]
         for causal in (False, True):
-            records.append(_attention_case(DistributedAttention, layout.sp_group, seq_len, causal, cfg["heads"],
-                                           cfg["kv_heads"], cfg["head_dim"], cfg["warmup"], reps))
+            records.append(
+                _attention_case(
+                    DistributedAttention,
+                    layout.sp_group,
+                    seq_len,
+                    causal,
+                    cfg["heads"],
+                    cfg["kv_heads"],
+                    cfg["head_dim"],
+                    cfg["warmup"],
+                    reps,
+                )
+            )
     if cfg["model_len"]:
-        records.append(_model_case(DistributedAttention, layout, cfg["model"], cfg["model_len"], cfg["warmup"],
-                                   cfg["model_reps"]))
+        records.append(
+            _model_case(DistributedAttention, layout, cfg["model"], cfg["model_len"], cfg["warmup"], cfg["model_reps"])
+        )
     return records if dist.get_rank() == 0 else []
 
 
 def report(records: list[dict]) -> str:
     rows = []
     for r in records:
-        what = (f"attention h={r['heads']} kv={r['kv_heads']} d={r['head_dim']}" if r["part"] == "attention"
-                else f"{r['model']} step")
-        rows.append({"what": what, "s": r["seq_len"], "c": "yes" if r["causal"] else "no",
-                     "o": f"{r['ours_s']['median']:.4f}", "d": f"{r['deepspeed_s']['median']:.4f}",
-                     "r": f"{r['ratio_median']:.3f}", "sp": f"±{100 * r['ratio']['spread']:.1f}%",
-                     "n": r["ratio"]["n"], "ok": "yes" if r["ratio_median"] <= 1.0 else "NO",
-                     "diff": f"{r.get('max_abs_diff', r.get('loss_abs_diff')):.1e}"})
-    return table(rows, [("what", "what"), ("seq len", "s"), ("causal", "c"), ("ours s", "o"),
-                        ("DeepSpeed s", "d"), ("ratio ours/DS (median)", "r"), ("spread", "sp"), ("rounds", "n"),
-                        ("<= 1.0", "ok"), ("max abs diff", "diff")])
+        what = (
+            f"attention h={r['heads']} kv={r['kv_heads']} d={r['head_dim']}"
+            if r["part"] == "attention"
+            else f"{r['model']} step"
+        )
+        rows.append(
+            {
+                "what": what,
+                "s": r["seq_len"],
+                "c": "yes" if r["causal"] else "no",
+                "o": f"{r['ours_s']['median']:.4f}",
+                "d": f"{r['deepspeed_s']['median']:.4f}",
+                "r": f"{r['ratio_median']:.3f}",
+                "sp": f"±{100 * r['ratio']['spread']:.1f}%",
+                "n": r["ratio"]["n"],
+                "ok": "yes" if r["ratio_median"] <= 1.0 else "NO",
+                "diff": f"{r.get('max_abs_diff', r.get('loss_abs_diff')):.1e}",
+            }
+        )
+    return table(
+        rows,
+        [
+            ("what", "what"),
+            ("seq len", "s"),
+            ("causal", "c"),
+            ("ours s", "o"),
+            ("DeepSpeed s", "d"),
+            ("ratio ours/DS (median)", "r"),
+            ("spread", "sp"),
+            ("rounds", "n"),
+            ("<= 1.0", "ok"),
+            ("max abs diff", "diff"),
+        ],
+    )
 
 
 def race_options(p, reps: int, long_reps: int) -> None:
@@ -227,12 +287,28 @@ def main(argv=None):
         import deepspeed
     except ImportError:
         sys.exit("DeepSpeed is not installed: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install deepspeed==0.19.8")
-    print(f"# seqpar_hf Ulysses vs DeepSpeed {deepspeed.__version__} DistributedAttention, fp32, batch 1, sp=2\n"
-          f"{environment()}; 2 gloo processes x 1 torch thread\n")
+    print(
+        f"# seqpar_hf Ulysses vs DeepSpeed {deepspeed.__version__} DistributedAttention, fp32, batch 1, sp=2\n"
+        f"{environment()}; 2 gloo processes x 1 torch thread\n"
+    )
 
     from tests.helpers.spawn import spawn
-    cfg = {k: getattr(args, k) for k in ("seq_lens", "heads", "kv_heads", "head_dim", "model", "model_len", "warmup",
-                                          "reps", "long_reps", "model_reps")}
+
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "seq_lens",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "model",
+            "model_len",
+            "warmup",
+            "reps",
+            "long_reps",
+            "model_reps",
+        )
+    }
     records = spawn(_worker, 2, cfg, timeout=3600)[0]
     print(report(records))
     publish("vs_deepspeed", records, args)

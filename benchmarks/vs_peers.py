@@ -91,7 +91,7 @@ def race(runs: dict, warmup: int, reps: int, diff=None, calls: int = 1) -> dict:
     names, first = list(runs), next(iter(runs))
     times, worst = {n: [] for n in names}, {n: 0.0 for n in names}
     for i in range(warmup + reps):
-        order, results = names[i % len(names):] + names[:i % len(names)], {}
+        order, results = names[i % len(names) :] + names[: i % len(names)], {}
         for n in order:
             t = timed(lambda n=n: results.__setitem__(n, _repeat(runs[n], calls))) / calls
             if i >= warmup:
@@ -99,10 +99,14 @@ def race(runs: dict, warmup: int, reps: int, diff=None, calls: int = 1) -> dict:
         for n in names if diff else ():
             worst[n] = max(worst[n], diff(results[n], results[first]))
     kind = {i.name: i.ours for i in IMPLS}
-    ratios = {f"{o}/{p}": summary([a / b for a, b in zip(times[o], times[p])])
-              for o in names if kind[o] for p in names if not kind[p]}
-    return {"time_s": {n: summary(times[n]) for n in names}, "ratios": ratios,
-            "max_abs_diff": worst if diff else None}
+    ratios = {
+        f"{o}/{p}": summary([a / b for a, b in zip(times[o], times[p])])
+        for o in names
+        if kind[o]
+        for p in names
+        if not kind[p]
+    }
+    return {"time_s": {n: summary(times[n]) for n in names}, "ratios": ratios, "max_abs_diff": worst if diff else None}
 
 
 def fwd_bwd(attend, q, k, v, grad):
@@ -141,7 +145,7 @@ def attention_case(group, case: dict, warmup: int, reps: int, names) -> dict:
 
     def shard(h):  # [b, s, h, d] -> this rank's [b, s/n, h, d]
         full = torch.randn(1, case["seq_len"], h, case["head_dim"], generator=g)
-        return full[:, rank * s_loc:(rank + 1) * s_loc].contiguous().requires_grad_()
+        return full[:, rank * s_loc : (rank + 1) * s_loc].contiguous().requires_grad_()
 
     q, k, v = shard(case["heads"]), shard(case["kv_heads"]), shard(case["kv_heads"])
     grad = shard(case["heads"]).detach()
@@ -160,11 +164,21 @@ def attention_case(group, case: dict, warmup: int, reps: int, names) -> dict:
 
     attends, refused = _set_up(setup, names)
     calls = calls_per_timing(case["seq_len"])
-    return {"part": "attention", "sp": n, **{k: v for k, v in case.items() if k != "scale"}, "refused": refused,
-            "calls_per_timing": calls,
-            "collectives": {name: _counted(functools.partial(step, a), CommMeter()) for name, a in attends.items()},
-            **race({name: functools.partial(fwd_bwd, a, q, k, v, grad) for name, a in attends.items()},
-                   warmup, reps, _max_diff, calls)}
+    return {
+        "part": "attention",
+        "sp": n,
+        **{k: v for k, v in case.items() if k != "scale"},
+        "refused": refused,
+        "calls_per_timing": calls,
+        "collectives": {name: _counted(functools.partial(step, a), CommMeter()) for name, a in attends.items()},
+        **race(
+            {name: functools.partial(fwd_bwd, a, q, k, v, grad) for name, a in attends.items()},
+            warmup,
+            reps,
+            _max_diff,
+            calls,
+        ),
+    }
 
 
 def model_case(layout, name: str, layers: int, seq_len: int, warmup: int, reps: int, names) -> dict:
@@ -190,11 +204,18 @@ def model_case(layout, name: str, layers: int, seq_len: int, warmup: int, reps: 
     models, refused = _set_up(setup, names)
     losses = {n: loss for n, (_, loss) in models.items()}
     first = next(iter(losses.values()))
-    return {"part": "model", "model": name, "layers": layers, "sp": layout.sp_size, "seq_len": seq_len,
-            "refused": refused,
-            "loss": losses, "loss_abs_diff": {n: abs(loss - first) for n, loss in losses.items()},
-            "collectives": {n: _counted(functools.partial(step, m), CommMeter()) for n, (m, _) in models.items()},
-            **race({n: functools.partial(step, m) for n, (m, _) in models.items()}, warmup, reps)}
+    return {
+        "part": "model",
+        "model": name,
+        "layers": layers,
+        "sp": layout.sp_size,
+        "seq_len": seq_len,
+        "refused": refused,
+        "loss": losses,
+        "loss_abs_diff": {n: abs(loss - first) for n, loss in losses.items()},
+        "collectives": {n: _counted(functools.partial(step, m), CommMeter()) for n, (m, _) in models.items()},
+        **race({n: functools.partial(step, m) for n, (m, _) in models.items()}, warmup, reps),
+    }
 
 
 def _worker(cfg: dict) -> list[dict]:
@@ -203,16 +224,38 @@ def _worker(cfg: dict) -> list[dict]:
     records = []
     for kv in cfg["kv_heads"]:
         for seq_len in cfg["seq_lens"]:
-            case = {"seq_len": seq_len, "heads": cfg["heads"], "kv_heads": kv, "head_dim": cfg["head_dim"],
-                    "causal": True, "scale": cfg["head_dim"] ** -0.5}
+            case = {
+                "seq_len": seq_len,
+                "heads": cfg["heads"],
+                "kv_heads": kv,
+                "head_dim": cfg["head_dim"],
+                "causal": True,
+                "scale": cfg["head_dim"] ** -0.5,
+            }
             short = seq_len <= 4096  # long ones: the checking and the counted call were the warm-up
-            records.append(attention_case(layout.sp_group, case, cfg["warmup"] if short else 0,
-                                          cfg["reps"] if short else cfg["long_reps"], cfg["impls"]))
+            records.append(
+                attention_case(
+                    layout.sp_group,
+                    case,
+                    cfg["warmup"] if short else 0,
+                    cfg["reps"] if short else cfg["long_reps"],
+                    cfg["impls"],
+                )
+            )
     for layers in cfg["layers"] if n in cfg["model_worlds"] else ():
         for seq_len in cfg["model_lens"]:
             short = seq_len <= 4096
-            records.append(model_case(layout, cfg["model"], layers, seq_len, cfg["warmup"],
-                                      cfg["model_reps"] if short else cfg["long_reps"], cfg["impls"]))
+            records.append(
+                model_case(
+                    layout,
+                    cfg["model"],
+                    layers,
+                    seq_len,
+                    cfg["warmup"],
+                    cfg["model_reps"] if short else cfg["long_reps"],
+                    cfg["impls"],
+                )
+            )
     return records if dist.get_rank() == 0 else []
 
 
@@ -232,26 +275,59 @@ def report(records: list[dict]) -> str:
     rows, comm_rows = [], []
     for r in records:
         diffs = r.get("max_abs_diff") or r.get("loss_abs_diff") or {}
-        row = {"w": _what(r), "sp": r["sp"], "s": r["seq_len"],
-               "diff": ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if d is not None and n != names[0]) or "-",
-               "no": "; ".join(f"{n}: {why.split('; ')[0]}" for n, why in r["refused"].items()) or "-"}
+        row = {
+            "w": _what(r),
+            "sp": r["sp"],
+            "s": r["seq_len"],
+            "diff": ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if d is not None and n != names[0]) or "-",
+            "no": "; ".join(f"{n}: {why.split('; ')[0]}" for n, why in r["refused"].items()) or "-",
+        }
         row.update({n: f"{r['time_s'][n]['median']:.4f}" if n in r["time_s"] else "-" for n in names})
-        row.update({p: f"{r['ratios'][p]['median']:.3f} (±{100 * r['ratios'][p]['spread']:.0f}%, "
-                       f"n={r['ratios'][p]['n']})" if p in r["ratios"] else "-" for p in pairs})
+        row.update(
+            {
+                p: f"{r['ratios'][p]['median']:.3f} (±{100 * r['ratios'][p]['spread']:.0f}%, n={r['ratios'][p]['n']})"
+                if p in r["ratios"]
+                else "-"
+                for p in pairs
+            }
+        )
         rows.append(row)
         longest = max(x["seq_len"] for x in records if x["part"] == r["part"] and x["sp"] == r["sp"])
         for n, phases in r["collectives"].items() if r["seq_len"] == longest else ():
-            comm_rows.append({"w": _what(r), "sp": r["sp"], "s": r["seq_len"], "impl": n, **{
-                ph: ", ".join(f"{c} {k}" for k, (c, _) in sorted(phases[ph].items())) or "-" for ph in phases},
-                **{ph + "_b": fmt_bytes(sum(b for _, b in phases[ph].values())) for ph in phases}})
-    timing = table(rows, [("what", "w"), ("sp", "sp"), ("tokens", "s")] + [(f"{n} s", n) for n in names]
-                   + [(f"{p} (median, spread, rounds)", p) for p in pairs]
-                   + [("max abs diff vs " + names[0], "diff"), ("refused", "no")])
-    counts = table(comm_rows, [("what", "w"), ("sp", "sp"), ("tokens", "s"), ("implementation", "impl"),
-                               ("forward calls", "forward"), ("forward sent / rank", "forward_b"),
-                               ("backward calls", "backward"), ("backward sent / rank", "backward_b")])
-    return (f"{timing}\n\nCollectives per attention layer (attention rows) and per training step (model rows), "
-            f"one rank, at the longest length of each world size:\n\n{counts}")
+            comm_rows.append(
+                {
+                    "w": _what(r),
+                    "sp": r["sp"],
+                    "s": r["seq_len"],
+                    "impl": n,
+                    **{ph: ", ".join(f"{c} {k}" for k, (c, _) in sorted(phases[ph].items())) or "-" for ph in phases},
+                    **{ph + "_b": fmt_bytes(sum(b for _, b in phases[ph].values())) for ph in phases},
+                }
+            )
+    timing = table(
+        rows,
+        [("what", "w"), ("sp", "sp"), ("tokens", "s")]
+        + [(f"{n} s", n) for n in names]
+        + [(f"{p} (median, spread, rounds)", p) for p in pairs]
+        + [("max abs diff vs " + names[0], "diff"), ("refused", "no")],
+    )
+    counts = table(
+        comm_rows,
+        [
+            ("what", "w"),
+            ("sp", "sp"),
+            ("tokens", "s"),
+            ("implementation", "impl"),
+            ("forward calls", "forward"),
+            ("forward sent / rank", "forward_b"),
+            ("backward calls", "backward"),
+            ("backward sent / rank", "backward_b"),
+        ],
+    )
+    return (
+        f"{timing}\n\nCollectives per attention layer (attention rows) and per training step (model rows), "
+        f"one rank, at the longest length of each world size:\n\n{counts}"
+    )
 
 
 def main(argv=None):
@@ -270,16 +346,34 @@ def main(argv=None):
     if args.quick:
         args.seq_lens, args.model_len, args.reps, args.model_reps = [256, 1024], 256, 3, 2
     args.model_lens = args.model_lens or ([args.model_len] if args.model_len else [])
-    print(f"# Ulysses: seqpar_hf vs DeepSpeed vs ringmaster, fp32, batch 1\n{environment()}; "
-          f"gloo processes x 1 torch thread")
+    print(
+        f"# Ulysses: seqpar_hf vs DeepSpeed vs ringmaster, fp32, batch 1\n{environment()}; "
+        f"gloo processes x 1 torch thread"
+    )
     for peer, how in INSTALL.items():
         found = importlib.util.find_spec(peer) is not None
         print(f"{peer}: " + ("installed" if found else f"NOT installed, skipped (install: {how})"))
 
     from tests.helpers.spawn import spawn
-    cfg = {k: getattr(args, k) for k in ("seq_lens", "heads", "kv_heads", "head_dim", "model", "model_lens",
-                                          "layers", "model_worlds", "warmup", "reps", "long_reps", "model_reps",
-                                          "impls")}
+
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "seq_lens",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "model",
+            "model_lens",
+            "layers",
+            "model_worlds",
+            "warmup",
+            "reps",
+            "long_reps",
+            "model_reps",
+            "impls",
+        )
+    }
     records = [r for n in args.world for r in spawn(_worker, n, cfg, timeout=7200)[0]]
     print("\n" + report(records))
     publish("vs_peers", records, args)

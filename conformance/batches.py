@@ -24,8 +24,8 @@ def causal_batch(pad_id: int, seed: int = 100, batch: int = 3, length: int = 13,
     if left_pad:
         mask[1, :3] = 0
     else:
-        mask[1, length - 3:] = 0
-    mask[2, length - 4:] = 0
+        mask[1, length - 3 :] = 0
+    mask[2, length - 4 :] = 0
     input_ids[mask == 0] = pad_id
     labels = input_ids.masked_fill(mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
@@ -38,8 +38,8 @@ def seq2seq_batch(pad_id: int, seed: int = 100, batch: int = 3, src_len: int = 1
     labels = torch.randint(LOW, HIGH, (batch, tgt_len), generator=g)
     mask = torch.ones(batch, src_len, dtype=torch.long)
     mask[1, 2:] = 0
-    mask[2, src_len - 3:] = 0
-    labels[0, tgt_len - 2:] = -100
+    mask[2, src_len - 3 :] = 0
+    labels[0, tgt_len - 2 :] = -100
     input_ids[mask == 0] = pad_id
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
@@ -54,8 +54,9 @@ def decoder_inputs(model, labels: torch.Tensor) -> torch.Tensor:
             pass
     config = model.config
     text = config.get_text_config(decoder=True)
-    start = next((c.decoder_start_token_id for c in (config, text)
-                  if getattr(c, "decoder_start_token_id", None) is not None), 0)
+    start = next(
+        (c.decoder_start_token_id for c in (config, text) if getattr(c, "decoder_start_token_id", None) is not None), 0
+    )
     pad = next((c.pad_token_id for c in (config, text) if getattr(c, "pad_token_id", None) is not None), 0)
     ids = labels.new_full(labels.shape, start)
     ids[:, 1:] = labels[:, :-1]
@@ -78,6 +79,7 @@ def causal_packed_batch(seed: int = 101) -> dict:
     """One row of documents as transformers' DataCollatorWithFlattening gives it: input_ids and labels
     [1, 25] (-100 at each document's first token), position_ids restarting per document, no attention mask."""
     from transformers import DataCollatorWithFlattening
+
     g = torch.Generator().manual_seed(seed)
     docs = [_tokens(g, n) for n in DOC_LENGTHS]
     return dict(DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in docs]))
@@ -99,5 +101,5 @@ def generate_inputs(pad_id: int, seq2seq: bool, seed: int = 102) -> dict:
         if seq2seq:
             mask[row, :n] = 1
         else:
-            mask[row, width - n:] = 1
+            mask[row, width - n :] = 1
     return {"input_ids": ids.masked_fill(mask == 0, pad_id), "attention_mask": mask}

@@ -28,12 +28,13 @@ from .released import describe
 from .tiny import Unbuildable, build_tiny, is_seq2seq
 from .variants import VARIANTS
 
+
 def where(exc: BaseException) -> str:
     """The innermost frame, and the innermost seqpar_hf frame if another one is innermost."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return ""
-    fmt = lambda f: f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"  # noqa: E731
+    fmt = lambda f: f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
     out = fmt(frames[-1])
     ours = [f for f in frames if "seqpar_hf" in f.filename]
     if ours and ours[-1] is not frames[-1]:
@@ -45,8 +46,12 @@ def refused(exc: BaseException) -> bool:
     """A refusal that says why: a ValueError / NotImplementedError raised by seqpar_hf itself (not one
     passing through it from transformers or torch)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return isinstance(exc, (ValueError, NotImplementedError)) and bool(frames) and \
-        "seqpar_hf" in frames[-1].filename and "found no attention modules" not in str(exc)
+    return (
+        isinstance(exc, (ValueError, NotImplementedError))
+        and bool(frames)
+        and "seqpar_hf" in frames[-1].filename
+        and "found no attention modules" not in str(exc)
+    )
 
 
 def first_line(exc: BaseException) -> str:
@@ -76,8 +81,9 @@ def _build(model_type: str, class_name: str):
 def _float64_errors(model_type: str, class_name: str, variant, batch: dict, layout) -> dict:
     """The same comparison in float64: fp32 rounding shrinks by ~1e9 there, a real error does not."""
     import seqpar_hf
+
     model, _ = _build(model_type, class_name)
-    model = model.double()
+    model = variant.prepare(model).double()
     ref, batch = variant.reference(copy.deepcopy(model), batch)
     seqpar_hf.patch_model(model, layout)
     return variant.patched(model, ref, batch, layout)
@@ -90,10 +96,16 @@ def _errors_text(errors: dict) -> str:
 def run_case(model_type: str, class_name: str, layout_name: str, variant_name: str, layouts: dict) -> dict:
     """One class x layout x variant on this rank; never raises."""
     import seqpar_hf
+
     start = time.time()
-    variant = VARIANTS[variant_name]
-    rec = {"model_type": model_type, "class": class_name, "layout": layout_name, "variant": variant_name,
-           "rank": dist.get_rank()}
+    variant = VARIANTS.get(variant_name)  # None: a class known not to build ("-")
+    rec = {
+        "model_type": model_type,
+        "class": class_name,
+        "layout": layout_name,
+        "variant": variant_name,
+        "rank": dist.get_rank(),
+    }
 
     def done(status, **kw):
         rec.update(status=status, seconds=round(time.time() - start, 2), **kw)
@@ -105,14 +117,22 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
         return done(exc.status, reason=str(exc))
     except Exception as exc:  # noqa: BLE001
         return done("UNBUILDABLE", reason=f"build failed: {first_line(exc)}", where=where(exc))
-    rec.update(attn=info["attn"], params=info["params"], kind="seq2seq" if is_seq2seq(model) else "causal",
-               shape=describe(model.config))
+    rec.update(
+        attn=info["attn"],
+        params=info["params"],
+        kind="seq2seq" if is_seq2seq(model) else "causal",
+        shape=describe(model.config),
+    )
+    if variant is None:
+        return done("CRASHED", reason=f"no variant {variant_name!r} for a class that builds")
+    model = variant.prepare(model)
     reference = copy.deepcopy(model)
     try:
         ref, batch = variant.reference(reference, variant.inputs(model, info))
     except Exception as exc:  # noqa: BLE001
-        return done("NOT-RUNNABLE", reason=f"the unpatched model fails on the batch: {first_line(exc)}",
-                    where=where(exc))
+        return done(
+            "NOT-RUNNABLE", reason=f"the unpatched model fails on the batch: {first_line(exc)}", where=where(exc)
+        )
     layout = layouts[layout_name]
     try:
         seqpar_hf.patch_model(model, layout)
@@ -142,8 +162,9 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
         try:
             f64 = _float64_errors(model_type, class_name, variant, variant.inputs(model, info), layout)
         except Exception as exc:  # noqa: BLE001
-            return done("CRASHED", reason=f"float64 re-run of a near miss ({reason}): {first_line(exc)}",
-                        where=where(exc))
+            return done(
+                "CRASHED", reason=f"float64 re-run of a near miss ({reason}): {first_line(exc)}", where=where(exc)
+            )
         rec["float64"] = {k: f64[k] for k in names}
         if all(v <= TOLERANCE / 10 for v in rec["float64"].values()):
             return done("EXACT", reason=f"fp32 rounding: {reason}; in float64 {_errors_text(rec['float64'])}")

@@ -7,23 +7,47 @@ import re
 
 CAUSES = (  # (pattern in the message, cause), first match wins
     (r"computes attention itself", "attention written by hand, not through AttentionInterface (named)"),
-    (r"runs a convolution|runs a scan|mixes information along the sequence|selects among the tokens",
-     "token mixing outside attention: convolution, SSM / linear-attention scan, recurrence (named)"),
+    (
+        r"runs a convolution|runs a scan|mixes information along the sequence|selects among the tokens",
+        "token mixing outside attention: convolution, SSM / linear-attention scan, recurrence (named)",
+    ),
     (r"decides for each token from the batch", "expert routing with capacity counted over the tokens (named)"),
-    (r"passes (softcap|s_aux|sinks|position_bias|indices|block_indices)=", "an attention keyword the sharded "
-     "attention does not honour: soft-capping, sinks, position bias, sparse indices (named)"),
-    (r"is given a pattern other than|says is_causal", "an attention mask it cannot reproduce: chunked, blockwise, "
-     "learned bias, or is_causal against the mask (named)"),
+    (
+        r"attend across the documents",
+        "packed rows (packed only): the model's own code lets the documents of a row attend to each other (named)",
+    ),
+    (r"generate on a tensor-parallel model", "generate under tensor parallelism (generate on tp2 only)"),
+    (
+        r"passes \w+= to the attention function",
+        "an attention keyword the sharded attention does not honour, seen at run time (named)",
+    ),
+    (
+        r"passes (softcap|s_aux|sinks|position_bias|indices|block_indices)=",
+        "an attention keyword the sharded "
+        "attention does not honour: soft-capping, sinks, position bias, sparse indices (named)",
+    ),
+    (
+        r"is given a pattern other than|says is_causal",
+        "an attention mask it cannot reproduce: chunked, blockwise, "
+        "learned bias, or is_causal against the mask (named)",
+    ),
     (r"relative position bias|ALiBi", "relative position bias or ALiBi over the whole sequence"),
     (r"soft-capping|learned sinks|chunked attention", "soft-capping, sinks or chunked attention in the config"),
-    (r"no shift|not the token-mean|shifts its encoder-decoder labels", "a loss other than the causal / "
-     "seq2seq token-mean cross-entropy (e.g. *ForCausalLM of encoder-decoder families, no label shift)"),
-    (r"takes no position_ids|does not take position ids|makes its own positions",
-     "positions a shard cannot be given (a backbone or position table without position ids)"),
+    (
+        r"no shift|not the token-mean|shifts its encoder-decoder labels",
+        "a loss other than the causal / "
+        "seq2seq token-mean cross-entropy (e.g. *ForCausalLM of encoder-decoder families, no label shift)",
+    ),
+    (
+        r"takes no position_ids|does not take position ids|makes its own positions",
+        "positions a shard cannot be given (a backbone or position table without position ids)",
+    ),
     (r"several modules it calls itself", "two models in one forward (encoder and decoder run separately)"),
     (r"not a sequence of the model", "attention over keys that are not a sequence (patches, memory)"),
-    (r"fails on a shard|fails in a plain forward|fails in a training-mode", "cannot run on part of the sequence "
-     "(named module)"),
+    (
+        r"fails on a shard|fails in a plain forward|fails in a training-mode",
+        "cannot run on part of the sequence (named module)",
+    ),
     (r"tensor parallelism", "tensor parallelism: a plan entry, weight or input the TP plan does not cover"),
     (r"bidirectional \(encoder-only\)", "encoder-only model"),
 )

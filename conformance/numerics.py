@@ -21,6 +21,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 
 
 def full(t):
     from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -32,6 +33,7 @@ def average_gradients(model, layout) -> None:
         return
     group = layout.dp_sp_group
     from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad]
     locals_ = []
     for p in params:
@@ -45,7 +47,7 @@ def average_gradients(model, layout) -> None:
     offset = 0
     for p, g in zip(params, locals_):
         k = g.numel()
-        value = flat[offset:offset + k].view_as(g)
+        value = flat[offset : offset + k].view_as(g)
         offset += k
         if p.grad is None:
             if value.numel() and value.abs().max() > 0:

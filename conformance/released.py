@@ -3,7 +3,7 @@ config's attributes (never by the model's name); tiny.shrink applies them.
 
 - KV-shared layers: a config with `num_kv_shared_layers` gets some (its layers: every kind of layer twice,
   the second half reading the first half's K/V, as Gemma 3n / Gemma 4 checkpoints do).
-- Per-layer overrides (`per_layer_config`: Gemma 4's wider global heads) keep their ratio to the
+- Per-layer head widths (`per_layer_config`: Gemma 4's wider global heads) keep their ratio to the
   config-wide value they override (512 vs 256 -> 16 vs 8), placed on the tiny layers of the same kind.
 - Rotary widths given in channels (`rotary_dim`) keep their fraction of the head; `partial_rotary_factor`
   is a fraction already and is kept as the defaults have it.
@@ -41,6 +41,13 @@ def per_layer_config(everything: dict, tiny: dict, layer_types: list | None) -> 
     old_types = everything.get("layer_types")
     if not isinstance(overrides, dict) or not overrides or not isinstance(old_types, list) or not layer_types:
         return {}
+    if not all(
+        k.endswith("head_dim") or k == "num_key_value_heads"
+        for v in overrides.values()
+        if isinstance(v, dict)
+        for k in v
+    ):
+        return {}  # other per-layer sizes come from arguments of their own (dots3's swa_*: overrides.py)
     by_kind = {}
     for index, values in overrides.items():
         i = int(index)
@@ -66,8 +73,9 @@ def rotary_dim(everything: dict, tiny_head: int) -> dict:
     dim = everything.get("rotary_dim")
     heads = next((everything[k] for k in ("num_attention_heads", "n_head") if isinstance(everything.get(k), int)), 0)
     hidden = next((everything[k] for k in ("hidden_size", "n_embd") if isinstance(everything.get(k), int)), 0)
-    head = everything.get("head_dim") if isinstance(everything.get("head_dim"), int) else \
-        (hidden // heads if heads else 0)
+    head = (
+        everything.get("head_dim") if isinstance(everything.get("head_dim"), int) else (hidden // heads if heads else 0)
+    )
     if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or not head:
         return {}
     tiny = max(2, round(dim * tiny_head / head / 2) * 2)
@@ -82,7 +90,8 @@ def rope(value, max_positions: int | None, positions: int):
     out = {k: rope(v, max_positions, positions) if isinstance(v, dict) else v for k, v in value.items()}
     if isinstance(out.get("original_max_position_embeddings"), int):
         out["original_max_position_embeddings"] = original_positions(
-            out["original_max_position_embeddings"], max_positions, positions)
+            out["original_max_position_embeddings"], max_positions, positions
+        )
     return out
 
 
@@ -96,13 +105,26 @@ def describe(config) -> str:
     table), of the text config."""
     c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     parts = []
-    windows = sorted({v for k in ("sliding_window", "attention_chunk_size", "window_size", "attention_window",
-                                  "sliding_window_size", "local_attention", "attention_window_size")
-                      if isinstance(v := _get(c, k, None), int) and not isinstance(v, bool) and v > 0})
+    windows = sorted(
+        {
+            v
+            for k in (
+                "sliding_window",
+                "attention_chunk_size",
+                "window_size",
+                "attention_window",
+                "sliding_window_size",
+                "local_attention",
+                "attention_window_size",
+            )
+            if isinstance(v := _get(c, k, None), int) and not isinstance(v, bool) and v > 0
+        }
+    )
     types = _get(c, "layer_types", None)
     if windows:
-        kinds = "/".join(sorted(set(types))) if isinstance(types, list) and all(isinstance(t, str) for t in types) \
-            else ""
+        kinds = (
+            "/".join(sorted(set(types))) if isinstance(types, list) and all(isinstance(t, str) for t in types) else ""
+        )
         parts.append(f"window {','.join(map(str, windows))}" + (f" ({kinds})" if kinds else ""))
     factors = _find(_get(c, "rope_parameters", None), "partial_rotary_factor")
     factors += [v for k in ("partial_rotary_factor", "rotary_pct") if isinstance(v := _get(c, k, None), float)]

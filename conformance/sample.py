@@ -1,76 +1,98 @@
-"""The fixed CI sample of the sweep (tests/test_zoo_sample.py): one class per structural kind, and a row for
-each fix of conformance/results/diagnosis.md (its group noted), some on a variant ("<model_type>:<name>",
-overrides.VARIANTS) that switches on the structure the defaults leave off. Rows that fail would be listed
-in KNOWN_FAILURES with their root cause (xfail(strict=True) there, so a fix shows as XPASS): none today.
+"""The fixed CI sample of the sweep (tests/test_zoo_sample.py): one class per distinct structure, each
+variant (padded, packed, generate) represented, the 4-rank hybrid on three classes (Llama, Gemma 3, Marian),
+and a row for each fix of conformance/results/diagnosis.md (its group noted), some on a variant
+("<model_type>:<name>", overrides.VARIANTS) that switches on the structure the defaults leave off. Rows
+that fail today are listed in KNOWN_FAILURES with their root cause (xfail(strict=True) there, so a fix
+shows as XPASS): Gemma 4's and Moshi's generate rows.
 
-Kinds: plain decoder with GQA (Llama), q/k norm + sliding window (Qwen3), sliding window (Mistral),
-sliding:full pattern (Gemma 3), MoE (Qwen3-MoE, Mixtral), MoE + window not passed (Qwen2-MoE),
-latent attention + MoE (DeepSeek-V3), partial rotary + fused qkv (GPT-NeoX), learned absolute positions
-(GPT-2), short-conv hybrid (LFM2), Mamba hybrid (Jamba), gated-DeltaNet hybrid (Qwen3-Next), pure SSM
-(Mamba), ALiBi computed by hand (BLOOM), relative position bias (T5), soft-capping (Gemma 2), encoder-decoder (Marian,
-BART, M2M100 with padding-aware sinusoidal positions), an LM forward around its backbone (OPT),
-padding-aware learned positions (RoBERTa), an activation with learned parameters under TP (Apertus),
-fused qkv + window (Phi-3), an attention bias passed as a kwarg (Inkling), DeepSeek sparse attention
-(DeepSeek-V3.2), a decoder self-attention with is_causal=False (NLLB-MoE), a bidirectional
-sliding-window encoder (T5Gemma), a config without pad_token_id (CodeGen).
+Structures: plain decoder with GQA (Llama), q/k norm + sliding window (Qwen3), window (Mistral), sliding:full
+pattern (Gemma 3), KV-shared layers (Gemma 3n; Gemma 4 with partial rotary and wider global heads), MoE
+(Qwen3-MoE, Mixtral), MoE + window not passed (Qwen2-MoE, PhiMoE), latent attention with v narrower than q/k
+(DeepSeek-V3, LongCat), partial rotary on some layers (Laguna), partial rotary + fused qkv (GPT-NeoX), learned
+absolute positions in a 32-row table (GPT-2), yarn whose original length is shorter than the batch (Ministral
+3), encoder-decoder (Marian, BART, M2M100 with padding-aware sinusoidal positions), padding-aware learned
+positions (RoBERTa), an LM forward around its backbone (OPT: its packed rows refused), a window only in the
+cache (Moshi: its generate rows WRONG today), a config without pad_token_id (CodeGen), a bidirectional
+sliding-window encoder (T5Gemma), TP fixes (Apertus, Phi, OLMo), and the refusals: short-conv hybrid (LFM2),
+Mamba hybrid (Jamba), gated-DeltaNet hybrid (Qwen3-Next), pure SSM (Mamba), hand-written attention (GPT-1,
+BLOOM's ALiBi), relative position bias (T5), soft-capping (Gemma 2, T5Gemma), attention keywords (Inkling,
+DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models (EncoderDecoder), global-local attention
+(PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms (Cohere), a plan that
+shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
 """
 
 from __future__ import annotations
 
-SAMPLE: list[tuple[str, str, tuple[str, ...]]] = [
-    ("llama", "LlamaForCausalLM", ("ulysses", "ring", "tp2")),
-    ("qwen3", "Qwen3ForCausalLM", ("ulysses", "ring", "tp2")),
-    ("mistral", "MistralForCausalLM", ("ulysses", "ring")),
-    ("gemma3_text", "Gemma3ForCausalLM", ("ulysses", "ring")),
-    ("qwen3_moe", "Qwen3MoeForCausalLM", ("ulysses", "ring")),
-    ("mixtral", "MixtralForCausalLM", ("ulysses", "ring")),
-    ("qwen2_moe", "Qwen2MoeForCausalLM", ("ulysses", "ring")),  # C: window only in the mask
-    ("phimoe", "PhimoeForCausalLM", ("ulysses",)),  # C
-    ("deepseek_v3", "DeepseekV3ForCausalLM", ("ulysses", "ring")),
-    ("longcat_flash", "LongcatFlashForCausalLM", ("ulysses",)),  # E3: MLA found by its call, not its name
-    ("gpt_neox", "GPTNeoXForCausalLM", ("ulysses", "ring")),
-    ("gpt2", "GPT2LMHeadModel", ("ulysses", "ring")),
-    ("lfm2", "Lfm2ForCausalLM", ("ulysses", "ring", "tp2")),  # A: short convolution
-    ("jamba", "JambaForCausalLM", ("ulysses",)),  # A: Mamba mixer
-    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",)),  # A: gated DeltaNet
-    ("mamba", "MambaForCausalLM", ("ulysses",)),  # A / E5: pure SSM, named
-    ("openai-gpt", "OpenAIGPTLMHeadModel", ("ulysses",)),  # E5: attention written by hand, named
-    ("bloom", "BloomForCausalLM", ("ulysses",)),
-    ("t5", "T5ForConditionalGeneration", ("ulysses",)),
-    ("gemma2", "Gemma2ForCausalLM", ("ulysses",)),
-    ("gemma4_text", "Gemma4ForCausalLM", ("ring",)),  # L: fp32 near miss, re-checked in float64 on the ring
-    ("marian", "MarianMTModel", ("ulysses", "ring", "tp2")),
-    ("bart", "BartForConditionalGeneration", ("ulysses", "ring")),
-    ("m2m_100", "M2M100ForConditionalGeneration", ("ulysses", "ring")),
-    ("roberta", "RobertaForCausalLM", ("ulysses",)),  # B: padding-aware default positions
-    ("apertus", "ApertusForCausalLM", ("tp2",)),  # I2: xIELU alpha summed over TP
-    ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",)),  # TP: per-head norm weights summed over TP
-    ("olmo:clip_qkv", "OlmoForCausalLM", ("tp2",)),  # TP: q / k / v clamped in place
-    ("cohere:use_qk_norm", "CohereForCausalLM", ("tp2",)),  # TP: [heads, head_dim] norm weights, refused
-    ("diffllama", "DiffLlamaForCausalLM", ("tp2",)),  # I1: a plan that shards nothing, refused
-    ("gemma3n_text", "Gemma3nForCausalLM", ("tp2",)),  # I3: per-layer inputs, refused
-    ("opt", "OPTForCausalLM", ("ulysses",)),  # F: the LM forward calls model.decoder
-    ("mllama", "MllamaForCausalLM", ("ulysses",)),  # F: base_model is the LM itself
-    ("encoder-decoder", "EncoderDecoderModel", ("ulysses",)),  # F: two models, refused
-    ("phi3", "Phi3ForCausalLM", ("ulysses", "ring")),
-    ("inkling_text", "InklingForCausalLM", ("ulysses",)),  # D: position_bias=, refused
-    ("deepseek_v32", "DeepseekV32ForCausalLM", ("ulysses",)),  # D: indices=, refused
-    ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ("ulysses",)),  # D: was HUNG, refused at patch time
-    ("nllb-moe", "NllbMoeForConditionalGeneration", ("ulysses",)),  # routing capacity over the tokens, refused
-    ("marian:decoder_is_causal_false_eager", "MarianMTModel", ("ulysses", "ring")),  # E1: sides from key lengths
-    ("pegasus_x", "PegasusXForConditionalGeneration", ("ulysses",)),  # E4: global-local attention, refused
-    ("t5gemma", "T5GemmaForConditionalGeneration", ("ulysses",)),  # softcap=, refused at patch time
-    ("t5gemma:no_softcap", "T5GemmaForConditionalGeneration", ("ulysses",)),  # G: bidirectional sliding window
-    ("blt", "BltForCausalLM", ("ulysses",)),  # H: bytes resampled into patches, refused
-    ("whisper", "WhisperForCausalLM", ("ulysses",)),  # a loss without the causal shift, refused
-    ("codegen", "CodeGenForCausalLM", ("ulysses",)),  # J: no pad_token_id in the config
+P, K, G = "padded", "packed", "generate"
+ALL = (P, K, G)
+# (model_type, class, layouts, variants): every variant on every listed layout. Rows refused at patch_model
+# run the padded variant only (the refusal is the same for every batch).
+SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
+    ("llama", "LlamaForCausalLM", ("ulysses", "ring", "tp2", "hybrid"), ALL),
+    ("qwen3", "Qwen3ForCausalLM", ("ulysses", "ring"), ALL),
+    ("qwen3", "Qwen3ForCausalLM", ("tp2",), (P, K)),
+    ("mistral", "MistralForCausalLM", ("ring",), ALL),  # window 4 < every batch
+    ("gemma3_text", "Gemma3ForCausalLM", ("ulysses", "hybrid"), ALL),  # sliding:full pattern
+    ("gemma3n_text", "Gemma3nForCausalLM", ("ring",), ALL),  # KV-shared layers (the second half)
+    ("gemma4_text", "Gemma4ForCausalLM", ("ulysses",), ALL),  # KV-shared, partial rotary, wider global heads
+    ("gemma4_text", "Gemma4ForCausalLM", ("ring",), (P,)),  # L: fp32 near miss, re-checked in float64 on the ring
+    ("qwen3_moe", "Qwen3MoeForCausalLM", ("ulysses",), ALL),
+    ("mixtral", "MixtralForCausalLM", ("ring",), (P, K)),
+    ("qwen2_moe", "Qwen2MoeForCausalLM", ("ring",), (P, K)),  # C: window only in the mask
+    ("phimoe", "PhimoeForCausalLM", ("ulysses",), (P,)),  # C
+    ("deepseek_v3", "DeepseekV3ForCausalLM", ("ulysses",), ALL),  # latent attention: v narrower than q/k
+    ("deepseek_v3", "DeepseekV3ForCausalLM", ("ring",), (P,)),
+    ("laguna", "LagunaForCausalLM", ("ring",), (P, G)),  # partial rotary on the full layers only, window 4
+    ("longcat_flash", "LongcatFlashForCausalLM", ("ulysses",), (P,)),  # E3: MLA found by its call, not its name
+    ("gpt_neox", "GPTNeoXForCausalLM", ("ulysses",), ALL),  # partial rotary 1/4, fused qkv
+    ("gpt2", "GPT2LMHeadModel", ("ring",), ALL),  # learned absolute positions, a table of 32
+    ("ministral3", "Ministral3ForCausalLM", ("ulysses",), (P, G)),  # yarn whose original length (8) < the batch
+    ("phi3", "Phi3ForCausalLM", ("ulysses", "ring"), (P,)),  # fused qkv + window
+    ("marian", "MarianMTModel", ("ulysses", "ring", "hybrid"), ALL),
+    ("marian", "MarianMTModel", ("tp2",), (P, K)),
+    ("bart", "BartForConditionalGeneration", ("ring",), ALL),
+    ("m2m_100", "M2M100ForConditionalGeneration", ("ulysses",), ALL),  # padding-aware sinusoidal positions
+    ("roberta", "RobertaForCausalLM", ("ulysses",), (P, G)),  # B: padding-aware default positions
+    ("opt", "OPTForCausalLM", ("ulysses",), ALL),  # F: the LM forward calls model.decoder; packed refused
+    ("mllama", "MllamaForCausalLM", ("ulysses",), (P,)),  # F: base_model is the LM itself
+    ("moshi", "MoshiForCausalLM", ("ulysses",), (P, G)),  # its window only in its cache (decoding), not its mask
+    ("codegen", "CodeGenForCausalLM", ("ulysses",), (P, G)),  # J: no pad_token_id; rotary_dim 1/4 of the head
+    ("t5gemma:no_softcap", "T5GemmaForConditionalGeneration", ("ulysses",), (P,)),  # G: bidirectional window
+    ("marian:decoder_is_causal_false_eager", "MarianMTModel", ("ulysses", "ring"), (P,)),  # E1: sides from keys
+    ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
+    ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP
+    ("olmo:clip_qkv", "OlmoForCausalLM", ("tp2",), (P,)),  # TP: q / k / v clamped in place
+    # refused at patch_model, naming the module and why
+    ("lfm2", "Lfm2ForCausalLM", ("ulysses", "tp2"), (P,)),  # A: short convolution
+    ("jamba", "JambaForCausalLM", ("ulysses",), (P,)),  # A: Mamba mixer
+    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P,)),  # A: gated DeltaNet
+    ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named
+    ("openai-gpt", "OpenAIGPTLMHeadModel", ("ulysses",), (P,)),  # E5: attention written by hand, named
+    ("bloom", "BloomForCausalLM", ("ulysses",), (P,)),
+    ("t5", "T5ForConditionalGeneration", ("ulysses",), (P,)),
+    ("gemma2", "Gemma2ForCausalLM", ("ulysses",), (P,)),
+    ("cohere:use_qk_norm", "CohereForCausalLM", ("tp2",), (P,)),  # TP: [heads, head_dim] norm weights
+    ("diffllama", "DiffLlamaForCausalLM", ("tp2",), (P,)),  # I1: a plan that shards nothing
+    ("gemma3n_text", "Gemma3nForCausalLM", ("tp2",), (P,)),  # I3: per-layer inputs
+    ("encoder-decoder", "EncoderDecoderModel", ("ulysses",), (P,)),  # F: two models
+    ("inkling_text", "InklingForCausalLM", ("ulysses",), (P,)),  # D: position_bias=
+    ("deepseek_v32", "DeepseekV32ForCausalLM", ("ulysses",), (P,)),  # D: indices=
+    ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ("ulysses",), (P,)),  # D: was HUNG
+    ("nllb-moe", "NllbMoeForConditionalGeneration", ("ulysses",), (P,)),  # routing capacity over the tokens
+    ("pegasus_x", "PegasusXForConditionalGeneration", ("ulysses",), (P,)),  # E4: global-local attention
+    ("t5gemma", "T5GemmaForConditionalGeneration", ("ulysses",), (P,)),  # softcap=
+    ("blt", "BltForCausalLM", ("ulysses",), (P,)),  # H: bytes resampled into patches
+    ("whisper", "WhisperForCausalLM", ("ulysses",), (P,)),  # a loss without the causal shift
 ]
 
-# rows that must be REFUSED, with a part of the message (the module and why); every other row must be EXACT
+# rows that must be REFUSED, with a part of the message (the module and why), by (model_type, layout) for
+# every variant or by (model_type, layout, variant); every other row must be EXACT
 _CONV = "runs a convolution along the sequence"
-EXPECT_REFUSED: dict[tuple[str, str], str] = {
+_TP_GENERATE = "generate on a tensor-parallel model (tp_size=2)"
+EXPECT_REFUSED: dict[tuple, str] = {
+    ("llama", "tp2", G): _TP_GENERATE,
+    ("opt", "ulysses", K): "lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents",
     ("lfm2", "ulysses"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
-    ("lfm2", "ring"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
     ("lfm2", "tp2"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
     ("jamba", "ulysses"): f"model.layers.0.mamba (JambaMambaMixer) {_CONV}",
     ("qwen3_next", "ulysses"): f"model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) {_CONV}",
@@ -93,11 +115,25 @@ EXPECT_REFUSED: dict[tuple[str, str], str] = {
     ("whisper", "ulysses"): "against the label at the same position (no shift)",
 }
 
-# rows that fail today, with their root cause: xfail(strict=True) in tests/test_zoo_sample.py
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+# rows that fail today, by (model_type, layout, variant), with their root cause: xfail(strict=True) in
+# tests/test_zoo_sample.py
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
+    ("gemma4_text", "ulysses", G): "CRASHED: Gemma 4's KV-shared layers slice the prompt forward to logits_to_keep "
+    "(Gemma4TextModel._maybe_slice_kv_shared_inputs) and index the mask mapping, which holds seqpar_hf's "
+    "DeferredMask objects under SP ('DeferredMask' object is not subscriptable); conformance/results/diagnosis.md",
+    ("moshi", "ulysses", G): "WRONG: MoshiModel's masks are full causal, but its DynamicCache(config=...) keeps "
+    "only the last sliding_window keys while decoding; seqpar_hf's sharded cache keeps every key (windows read "
+    "off the masks only), so tokens part from the second step; conformance/results/diagnosis.md",
+}
 # refusals that do not say why (the sample test asks every REFUSED row for a clear message)
-UNCLEAR_REFUSALS: dict[tuple[str, str], str] = {}
+UNCLEAR_REFUSALS: dict[tuple[str, str, str], str] = {}
 
 
-def sample_tasks() -> list[tuple[str, str, str]]:
-    return [(mt, cls, layout) for mt, cls, layouts in SAMPLE for layout in layouts]
+def expected_refusal(model_type: str, layout: str, variant: str) -> str | None:
+    return EXPECT_REFUSED.get((model_type, layout, variant)) or EXPECT_REFUSED.get((model_type, layout))
+
+
+def sample_tasks() -> list[tuple[str, str, str, str]]:
+    """(model_type, class, layout, variant), each once, layouts grouped as the sweep runs them."""
+    tasks = [(mt, cls, layout, v) for mt, cls, layouts, variants in SAMPLE for layout in layouts for v in variants]
+    return list(dict.fromkeys(tasks))

@@ -1,33 +1,45 @@
 """The three variants of a sweep row: what batch, what the unpatched model computes on it (the
 reference), and the patched model's errors against it.
 
-  padded    3 rows, padding on both sides (left on one row, right on another), loss, every gradient, eval
-            logits at real tokens; seq2seq: right-padded sources, source length != target length
+  padded    3 rows, padding on both sides (left on one row, right on another; right only under eager
+            attention), loss, every gradient, eval logits at real tokens; seq2seq: right-padded sources,
+            source length != target length
   packed    decoder-only: one row of 5 documents as DataCollatorWithFlattening gives it (position_ids
             restarting, no attention mask), use_cache=False on both sides, the reference the unpatched
             model on the same row; seq2seq: seqpar_hf's Seq2SeqPackingCollator, the reference each
             (source, target) pair alone (loss weighted by its tokens); loss, every gradient, eval logits
   generate  greedy, 8 new tokens, every rank the same full batch: the tokens and every step's scores
+            (encoder-decoders made lively first, so that their tokens depend on the source)
 
-Each variant: `inputs(model, info)` -> batch; `reference(model, batch)` -> (numbers, batch);
+Each variant: `prepare(model)` -> the model it runs (before the unpatched copy is taken);
+`inputs(model, info)` -> batch; `reference(model, batch)` -> (numbers, batch);
 `patched(model, numbers, batch, layout)` -> {error name: value}.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from .batches import (PAIR_ROW, causal_batch, causal_packed_batch, decoder_inputs, generate_inputs, pad_id,
-                      seq2seq_batch, seq2seq_pairs)
+from .batches import (
+    PAIR_ROW,
+    causal_batch,
+    causal_packed_batch,
+    decoder_inputs,
+    generate_inputs,
+    pad_id,
+    seq2seq_batch,
+    seq2seq_pairs,
+)
 from .numerics import average_gradients, compare, finite_error, full, gradients, relative_error
 from .tiny import is_seq2seq
 
 TRAIN_ERRORS = ("loss_err", "grad_err", "logits_err")
 GENERATE_ERRORS = ("tokens_err", "scores_err")
 NEW_TOKENS = 8
+LIVELY = 0.2  # std of the noise added to a seq2seq model's matrices for generate (see _lively)
 
 
 @dataclass(frozen=True)
@@ -37,17 +49,22 @@ class Variant:
     reference: Callable
     patched: Callable
     errors: tuple
+    prepare: Callable = lambda model: model
 
 
 # ---------------------------------------------------------------------------------------------
 # padded
 
+
 def padded_inputs(model, info: dict) -> dict:
-    """Seq2seq (source 13, target 9) or causal (length 13, row 1 left-padded, row 2 right-padded)."""
+    """Seq2seq (source 13, target 9) or causal (length 13, row 1 left-padded, row 2 right-padded). Under
+    eager attention row 1 is right-padded too: the first real token of a left-padded row is predicted from
+    a padded query that sees no key, which eager attention makes the mean of every value and SDPA zero
+    (transformers' own implementations disagree there; seqpar_hf computes SDPA's, docs/supported-models.md)."""
     pad = pad_id(model)
     if is_seq2seq(model):
         return seq2seq_batch(pad)
-    batch = causal_batch(pad)
+    batch = causal_batch(pad, left_pad=info["attn"] == "sdpa")
     if info.get("labels") == "codebooks":  # audio-code LMs: labels [batch, length, codebooks]
         batch["labels"] = batch["labels"].unsqueeze(-1)
     return batch
@@ -88,6 +105,7 @@ def padded_reference(model, batch: dict) -> tuple[dict, dict]:
 def padded_patched(model, ref: dict, batch: dict, layout) -> dict:
     """Train (loss, every gradient) and eval (gathered logits at real tokens) errors of the patched model."""
     import seqpar_hf
+
     model.train()
     out = model(**batch)
     out.loss.backward()
@@ -115,6 +133,7 @@ def _real_positions(model, batch: dict, *logits: torch.Tensor) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # packed
 
+
 def packed_inputs(model, info: dict) -> dict:
     if is_seq2seq(model):
         return {"pairs": seq2seq_pairs(), "pad": pad_id(model), "start": None}
@@ -129,7 +148,7 @@ def packed_reference(model, batch: dict) -> tuple[dict, dict]:
         return reference_run(model, batch), batch
     try:
         return _pairs_reference(model, batch["pairs"], None), batch
-    except Exception:  # a model that does not build its decoder inputs from labels: the collator's, from start
+    except Exception:  # noqa: BLE001 - a model that does not build its decoder inputs from labels: the collator's
         start = _start_id(model)
         return _pairs_reference(model, batch["pairs"], start), {**batch, "start": start}
 
@@ -159,8 +178,10 @@ def _pairs_reference(model, pairs: list, start) -> dict:
 def _start_id(model) -> int:
     config = model.config
     text = config.get_text_config(decoder=True)
-    return next((c.decoder_start_token_id for c in (config, text)
-                 if getattr(c, "decoder_start_token_id", None) is not None), pad_id(model))
+    return next(
+        (c.decoder_start_token_id for c in (config, text) if getattr(c, "decoder_start_token_id", None) is not None),
+        pad_id(model),
+    )
 
 
 def packed_patched(model, ref: dict, batch: dict, layout) -> dict:
@@ -168,9 +189,11 @@ def packed_patched(model, ref: dict, batch: dict, layout) -> dict:
         return padded_patched(model, ref, batch, layout)
     import seqpar_hf
     from seqpar_hf.training.packing import Seq2SeqPackingCollator, pack_pairs
+
     pairs = batch["pairs"]
     packed = Seq2SeqPackingCollator(PAIR_ROW, pad_token_id=batch["pad"], decoder_start_token_id=batch["start"])(
-        [{"input_ids": s, "labels": t} for s, t in pairs])
+        [{"input_ids": s, "labels": t} for s, t in pairs]
+    )
     model.train()
     out = model(**packed)
     out.loss.backward()
@@ -186,7 +209,7 @@ def packed_patched(model, ref: dict, batch: dict, layout) -> dict:
         for i in row:
             where[i] = (r, offset)
             offset += len(pairs[i][1])
-    got = torch.cat([logits[where[i][0], where[i][1]:where[i][1] + len(t)] for i, (_, t) in enumerate(pairs)])
+    got = torch.cat([logits[where[i][0], where[i][1] : where[i][1] + len(t)] for i, (_, t) in enumerate(pairs)])
     errors["logits_err"] = relative_error(got, ref["logits"])
     return errors
 
@@ -194,9 +217,17 @@ def packed_patched(model, ref: dict, batch: dict, layout) -> dict:
 # ---------------------------------------------------------------------------------------------
 # generate
 
+
 def generate_kwargs(model) -> dict:
-    return dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1,
-                return_dict_in_generate=True, output_scores=True, pad_token_id=pad_id(model))
+    return {
+        "max_new_tokens": NEW_TOKENS,
+        "min_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "num_beams": 1,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "pad_token_id": pad_id(model),
+    }
 
 
 def generate_reference(model, batch: dict) -> tuple[dict, dict]:
@@ -217,6 +248,18 @@ def generate_patched(model, ref: dict, batch: dict, layout) -> dict:
     return {"tokens_err": tokens_err, "scores_err": finite_error(out.scores, ref["scores"])}
 
 
+def _lively(model):
+    """A tiny encoder-decoder at its init scale decodes the same tokens whatever the source: its matrices get
+    seeded noise (the same on every rank) so that the tokens depend on the source and cross-attention shows."""
+    if is_seq2seq(model):
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point() and p.dim() >= 2:
+                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * LIVELY)
+    return model
+
+
 def _generate_inputs(model, info: dict) -> dict:
     return generate_inputs(pad_id(model), is_seq2seq(model))
 
@@ -224,5 +267,5 @@ def _generate_inputs(model, info: dict) -> dict:
 VARIANTS = {
     "padded": Variant("padded", padded_inputs, padded_reference, padded_patched, TRAIN_ERRORS),
     "packed": Variant("packed", packed_inputs, packed_reference, packed_patched, TRAIN_ERRORS),
-    "generate": Variant("generate", _generate_inputs, generate_reference, generate_patched, GENERATE_ERRORS),
+    "generate": Variant("generate", _generate_inputs, generate_reference, generate_patched, GENERATE_ERRORS, _lively),
 }

@@ -30,6 +30,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from .report import short, write
+
 GLOO_TIMEOUT = 60  # seconds a collective waits for its peer
 HANG_SECONDS = GLOO_TIMEOUT + 30  # after one rank reported
 CASE_SECONDS = 300  # for a whole case (build, reference, patched, eval)
@@ -50,23 +52,36 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, tasks, inbox, outbox) -> None:
     """Loop: wait for the parent's go (a task index), run that case, report."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", RANK=str(rank),
-                      WORLD_SIZE=str(world), TRANSFORMERS_VERBOSITY="error", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        TRANSFORMERS_VERBOSITY="error",
+        TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
+    )
     import warnings
+
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT))
         import seqpar_hf
+
         from .case import run_case
+
         if world == 4:
             layouts = {"hybrid": seqpar_hf.ParallelLayout(sp_size=4, mode="hybrid", ring_size=2)}
         else:
-            layouts = {"ulysses": seqpar_hf.ParallelLayout(sp_size=2, mode="ulysses"),
-                       "ring": seqpar_hf.ParallelLayout(sp_size=2, mode="ring"),
-                       "tp2": seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)}
+            layouts = {
+                "ulysses": seqpar_hf.ParallelLayout(sp_size=2, mode="ulysses"),
+                "ring": seqpar_hf.ParallelLayout(sp_size=2, mode="ring"),
+                "tp2": seqpar_hf.ParallelLayout(sp_size=1, tp_size=2),
+            }
         outbox.put((rank, "ready", None))
         while True:
             index = inbox.get()
@@ -91,12 +106,15 @@ class Group:
 
     def __init__(self, tasks, world: int = 2):
         import torch.multiprocessing as mp
+
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, tasks, self.inboxes[r], self.outbox),
-                                  daemon=True) for r in range(world)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, tasks, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
         ready = self._collect("ready", CASE_SECONDS, CASE_SECONDS)
@@ -167,11 +185,15 @@ def combine(task, records: dict, exitcodes: list) -> dict:
         dead = [r for r in missing if exitcodes[r] is not None]
         seen = {r: f"{v.get('status')}: {v.get('reason', '')}" for r, v in records.items()}
         if dead:
-            row.update(status="CRASHED", reason=f"rank {dead} died (exit code {[exitcodes[r] for r in dead]}); "
-                                                f"other ranks: {seen}")
+            row.update(
+                status="CRASHED",
+                reason=f"rank {dead} died (exit code {[exitcodes[r] for r in dead]}); other ranks: {seen}",
+            )
         else:
-            row.update(status="HUNG", reason=f"rank {missing} did not report within {HANG_SECONDS}s of the "
-                                             f"others; other ranks: {seen}")
+            row.update(
+                status="HUNG",
+                reason=f"rank {missing} did not report within {HANG_SECONDS}s of the others; other ranks: {seen}",
+            )
         return row
     recs = [records[r] for r in ranks]
     a = recs[0]
@@ -180,11 +202,14 @@ def combine(task, records: dict, exitcodes: list) -> dict:
             row[key] = a[key]
     # a gloo timeout on any rank: one rank never joined a collective another waited in
     timed_out = any("timed out" in str(r.get("reason", "")).lower() for r in recs)
-    if any(r["status"] != a["status"] for r in recs) or \
-            (a["status"] in ("REFUSED", "CRASHED") and any(r.get("reason") != a.get("reason") for r in recs)):
-        row.update(status="HUNG" if timed_out else "CRASHED",
-                   reason="ranks disagree: " + " | ".join(f"rank {i} {r['status']}: {r.get('reason', '')}"
-                                                          for i, r in enumerate(recs)))
+    if any(r["status"] != a["status"] for r in recs) or (
+        a["status"] in ("REFUSED", "CRASHED") and any(r.get("reason") != a.get("reason") for r in recs)
+    ):
+        row.update(
+            status="HUNG" if timed_out else "CRASHED",
+            reason="ranks disagree: "
+            + " | ".join(f"rank {i} {r['status']}: {r.get('reason', '')}" for i, r in enumerate(recs)),
+        )
         return row
     row.update(status="HUNG" if timed_out and a["status"] == "CRASHED" else a["status"], reason=a.get("reason", ""))
     for key in ERROR_KEYS:
@@ -196,129 +221,117 @@ def combine(task, records: dict, exitcodes: list) -> dict:
     return row
 
 
-def plan_tasks(classes: list[tuple[str, str, str]], layouts=LAYOUTS) -> list[tuple[str, str, str]]:
-    """class x layout; tp2 only where the config class has a tensor-parallel plan or is encoder-decoder."""
+def plan_tasks(classes: list[tuple[str, str, str]], layouts=LAYOUTS, variants=VARIANTS) -> list[tuple]:
+    """class x layout x variant; tp2 only where the config class has a tensor-parallel plan or is
+    encoder-decoder; a class known not to build: one row, no layout or variant."""
+    from .overrides import UNBUILDABLE
+    from .tiny import base_type
+
+    tasks = []
+    for model_type, class_name, _ in classes:
+        if base_type(model_type) in UNBUILDABLE:
+            tasks.append((model_type, class_name, "-", "-"))
+            continue
+        for layout in layouts:
+            if layout == "tp2" and not _has_tp_plan(model_type, class_name):
+                continue
+            tasks += [(model_type, class_name, layout, variant) for variant in VARIANTS if variant in variants]
+    return tasks
+
+
+def _has_tp_plan(model_type: str, class_name: str) -> bool:
     import transformers
     from transformers import CONFIG_MAPPING
 
-    from .overrides import UNBUILDABLE
     from .tiny import base_type
-    tasks = []
-    for model_type, class_name, _ in classes:
-        if base_type(model_type) in UNBUILDABLE:  # known not to build: one row, no layout
-            tasks.append((model_type, class_name, "-"))
-            continue
-        for layout in layouts:
-            if layout == "tp2":
-                model_class = getattr(transformers, class_name, None)
-                config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[base_type(model_type)]
-                try:
-                    config_class = config_class if isinstance(config_class, type) else \
-                        CONFIG_MAPPING[base_type(model_type)]
-                    plan = getattr(config_class, "base_model_tp_plan", None)
-                    text = getattr(config_class, "sub_configs", None) or {}
-                    plan = plan or getattr(text.get("text_config"), "base_model_tp_plan", None)
-                    seq2seq = base_type(model_type) in _seq2seq_types()
-                except Exception:  # noqa: BLE001
-                    plan, seq2seq = None, False
-                if not plan and not seq2seq:
-                    continue
-            tasks.append((model_type, class_name, layout))
-    return tasks
+
+    model_class = getattr(transformers, class_name, None)
+    config_class = getattr(model_class, "config_class", None) or CONFIG_MAPPING[base_type(model_type)]
+    try:
+        config_class = config_class if isinstance(config_class, type) else CONFIG_MAPPING[base_type(model_type)]
+        plan = getattr(config_class, "base_model_tp_plan", None)
+        text = getattr(config_class, "sub_configs", None) or {}
+        plan = plan or getattr(text.get("text_config"), "base_model_tp_plan", None)
+        return bool(plan) or base_type(model_type) in _seq2seq_types()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _seq2seq_types() -> set:
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
     return set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 
 
-def sweep(tasks: list, log=print) -> list[dict]:
-    rows, group, i = [], None, 0
-    while i < len(tasks):
-        if group is None:
-            group = Group(tasks)
-        task = tasks[i]
-        records = group.run(i)
-        row = combine(task, records, [p.exitcode for p in group.procs])
-        rows.append(row)
-        log(f"[{i + 1}/{len(tasks)}] {task[0]:26s} {task[1]:42s} {task[2]:8s} {row['status']:12s} "
-            f"{_short(row)}")
-        if row["status"] not in CLEAN and not (_symmetric_crash(records) and group.ping()):
+def sweep(tasks: list, log=print, on_row=None) -> list[dict]:
+    """The rows of `tasks`, in their order: those of 2-process layouts in one group, the hybrid's in a
+    4-process one. A generate task runs only where the padded row of its class and layout (if planned)
+    is EXACT."""
+    rows, planned = {}, set(tasks)
+    for world in sorted({WORLD.get(t[2], 2) for t in tasks}):
+        group = None
+        for i, task in enumerate(tasks):
+            if WORLD.get(task[2], 2) != world:
+                continue
+            padded = rows.get(task[:3] + ("padded",))
+            if (
+                task[3] == "generate"
+                and task[:3] + ("padded",) in planned
+                and (padded is None or padded["status"] != "EXACT")
+            ):
+                continue
+            if group is None:
+                group = Group(tasks, world)
+            records = group.run(i)
+            row = combine(task, records, [p.exitcode for p in group.procs])
+            rows[task] = row
+            log(
+                f"[{i + 1}/{len(tasks)}] {task[0]:24s} {task[1]:40s} {task[2]:7s} {task[3]:8s} {row['status']:12s} "
+                f"{short(row)}"
+            )
+            if on_row is not None:
+                on_row(row)
+            raised = row["status"] not in CLEAN or row.get("at") == "forward"  # raised after patch_model
+            if raised and not (_symmetric(records, world) and group.ping()):
+                group.close()
+                group = None
+        if group is not None:
             group.close()
-            group = None
-        i += 1
-    if group is not None:
-        group.close()
-    return rows
+    return [rows[t] for t in tasks if t in rows]
 
 
-def _symmetric_crash(records: dict) -> bool:
-    """Both ranks raised the same error at the same place: their collectives are still paired (checked
+def _symmetric(records: dict, world: int) -> bool:
+    """Every rank raised the same error at the same place: their collectives are still paired (checked
     by a ping), so the group can go on; anything else gets a fresh group."""
-    if len(records) != 2:
-        return False
-    a, b = records[0], records[1]
-    return a.get("status") == b.get("status") == "CRASHED" and a.get("reason") == b.get("reason") and \
-        a.get("where") == b.get("where") and "timed out" not in a.get("reason", "").lower()
+    recs = list(records.values())
+    a = recs[0] if recs else {}
+    return (
+        len(recs) == world
+        and all(
+            r.get("status") == a.get("status")
+            and r.get("reason") == a.get("reason")
+            and r.get("where") == a.get("where")
+            for r in recs
+        )
+        and "timed out" not in a.get("reason", "").lower()
+    )
 
 
-def _short(row: dict) -> str:
-    if row["status"] in ("EXACT", "WRONG"):
-        errs = " ".join(f"{k[:-4]}={row[k]:.1e}" for k in ("loss_err", "grad_err", "logits_err") if k in row)
-        return errs + (f" | {row['reason']}" if row.get("reason") else "")
-    return (row.get("reason", "") + (f" @ {row['where']}" if row.get("where") else ""))[:300]
-
-
-def write(rows: list[dict], out: Path, wall: float, command: str) -> None:
-    import transformers
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"transformers": transformers.__version__, "wall_seconds": round(wall, 1), "command": command}
-    (out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    counts = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    classes = {}
-    for r in rows:
-        classes.setdefault((r["model_type"], r["class"]), []).append(r["status"])
-    lines = [f"# seqpar_hf conformance sweep (transformers {transformers.__version__})", "",
-             f"`{command}`: {len(classes)} mapping entries, {len(rows)} rows (entry x layout), "
-             f"wall time {wall / 60:.1f} min.", "", "| status | rows |", "|---|---|"]
-    lines += [f"| {s} | {n} |" for s, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-    from .causes import cause
-    causes = {}
-    for r in rows:
-        if r["status"] == "REFUSED":
-            causes.setdefault(cause(r.get("reason", "")), set()).add(r["class"])
-    lines += ["", "| REFUSED because | classes |", "|---|---|"]
-    lines += [f"| {c} | {len(n)} |" for c, n in sorted(causes.items(), key=lambda kv: -len(kv[1]))]
-    exact = {r["class"] for r in rows if r["status"] == "EXACT"}
-    lines += ["", f"Classes EXACT in at least one layout: {len(exact)}."]
-    unclear = sum(r.get("refusal") == "unclear" for r in rows)
-    lines += ["", f"REFUSED rows whose error does not say why (not a ValueError / NotImplementedError naming the "
-                  f"structure, or \"found no attention modules\"): {unclear}, marked REFUSED? below."]
-    lines += ["", "Root causes of every WRONG / CRASHED / HUNG / unclear REFUSED row: diagnosis.md.", "",
-              "| class | model_type | layout | status | reason / worst error |", "|---|---|---|---|---|"]
-    for r in rows:
-        detail = _short(r).replace("|", "\\|").replace("\n", " ")
-        status = r["status"] + ("?" if r.get("refusal") == "unclear" else "")
-        lines.append(f"| {r['class']} | {r['model_type']} | {r['layout']} | {status} | {detail} |")
-    (out / "zoo.md").write_text("\n".join(lines) + "\n")
-
-
-def zoo_tasks(names=None, layouts=LAYOUTS) -> list[tuple[str, str, str]]:
-    """class x layout for every entry of both mappings (or those `names` name: model types, class names,
-    variants "<model_type>:<name>"); a model type in both mappings with the same class is one entry."""
+def zoo_tasks(names=None, layouts=LAYOUTS, variants=VARIANTS) -> list[tuple]:
+    """class x layout x variant for every entry of both mappings (or those `names` name: model types, class
+    names, variants "<model_type>:<name>"); a model type in both mappings with the same class is one entry."""
     from .tiny import base_type, mapping_classes
+
     classes = mapping_classes()
     if names:
-        variants = [(v, cls, m) for v in names if ":" in v for mt, cls, m in classes if mt == base_type(v)]
-        classes = [c for c in classes if c[0] in names or c[1] in names] + variants
+        variants_ = [(v, cls, m) for v in names if ":" in v for mt, cls, m in classes if mt == base_type(v)]
+        classes = [c for c in classes if c[0] in names or c[1] in names] + variants_
     seen, unique = set(), []
     for c in classes:
         if (c[0], c[1]) not in seen:
             seen.add((c[0], c[1]))
             unique.append(c)
-    return plan_tasks(unique, layouts)
+    return plan_tasks(unique, layouts, variants)
 
 
 def main(argv=None) -> int:
@@ -326,20 +339,29 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", nargs="*", help="model types or class names (default: all)")
     parser.add_argument("--sample", action="store_true", help="the fixed CI sample (conformance/sample.py)")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.sample:
         from .sample import sample_tasks
-        tasks = sample_tasks()
-        start = time.time()
-        rows = sweep(tasks)
-        write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))
-        return 0
-    tasks = zoo_tasks(args.classes, args.layouts)
+
+        tasks = [t for t in sample_tasks() if t[2] in args.layouts + ["-"] and t[3] in args.variants + ["-"]]
+    else:
+        tasks = zoo_tasks(args.classes, args.layouts, args.variants)
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = args.out / "zoo.progress.jsonl"  # one line per row as it comes (read it while a long sweep runs)
+    progress.write_text("")
+
+    def on_row(row):
+        with progress.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
     start = time.time()
-    rows = sweep(tasks)
-    write(rows, args.out, time.time() - start, "python -m conformance.zoo " + " ".join(argv or sys.argv[1:]))
+    rows = sweep(tasks, log=lambda line: print(line, flush=True), on_row=on_row)
+    command = "python -m conformance.zoo " + " ".join(argv if argv is not None else sys.argv[1:])
+    write(rows, args.out, time.time() - start, command.strip())
+    progress.unlink()
     print(f"wrote {args.out}/zoo.json and zoo.md ({len(rows)} rows, {time.time() - start:.0f}s)")
     return 0
 

@@ -43,8 +43,12 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
 
 from seqpar_hf import TimeBudgetCallback
-from seqpar_hf.training.trl import (SequenceParallelGRPOConfig, SequenceParallelGRPOTrainer,
-                                   SequenceParallelSFTConfig, SequenceParallelSFTTrainer)
+from seqpar_hf.training.trl import (
+    SequenceParallelGRPOConfig,
+    SequenceParallelGRPOTrainer,
+    SequenceParallelSFTConfig,
+    SequenceParallelSFTTrainer,
+)
 
 if __package__:  # imported as recipes.grpo_long_context (tests)
     from . import recipe_checks, translation_data
@@ -67,14 +71,27 @@ class RecipeArguments:
     sentences_per_prompt: int = field(default=32, metadata={"help": "Sentences per prompt (~12 tokens each)."})
     max_prompts: int = field(default=4000, metadata={"help": "Training prompts (each of consecutive sentences)."})
     eval_prompts: int = field(default=8, metadata={"help": "Held-out prompts (test sentences) for the eval reward."})
-    max_pairs: int | None = field(default=None, metadata={"help": "Read only the first N sentence pairs of the data "
-                                                                   "file (its shortest; for quick checks)."})
-    vocab_size: int = field(default=8000, metadata={"help": "BPE vocabulary (the translation recipe's cache entry "
-                                                            "with the same settings is shared)."})
-    init_from: str | None = field(default=None, metadata={"help": "Start from this saved model (same tokenizer: "
-                                                                  "e.g. runs/sft_long_context) instead of scratch."})
-    sft_minutes: float = field(default=5.0, metadata={"help": "Supervised warm-up on the task (prompt -> first "
-                                                         "sentence) before GRPO, in minutes; 0: GRPO from scratch."})
+    max_pairs: int | None = field(
+        default=None,
+        metadata={"help": "Read only the first N sentence pairs of the data file (its shortest; for quick checks)."},
+    )
+    vocab_size: int = field(
+        default=8000,
+        metadata={"help": "BPE vocabulary (the translation recipe's cache entry with the same settings is shared)."},
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start from this saved model (same tokenizer: e.g. runs/sft_long_context) instead of scratch."
+        },
+    )
+    sft_minutes: float = field(
+        default=5.0,
+        metadata={
+            "help": "Supervised warm-up on the task (prompt -> first "
+            "sentence) before GRPO, in minutes; 0: GRPO from scratch."
+        },
+    )
     max_train_minutes: float = field(default=13.0, metadata={"help": "Stop GRPO after this many minutes."})
     num_threads: int = field(default=0, metadata={"help": "Torch threads per process on CPU; 0: cores / processes."})
     data_cache_dir: str = field(default=str(ROOT / "cache"), metadata={"help": "Where preprocessed data is cached."})
@@ -116,16 +133,23 @@ def parse_args(argv=None):
 def check_args(recipe: RecipeArguments, args: GRPOArguments) -> None:
     """The recipe's flags, before any data or process-group work: ValueError "--flag value: what is allowed"."""
     check = recipe_checks
-    for flag, meaning in (("hidden_size", "model width"), ("num_layers", "decoder layers"),
-                          ("num_heads", "attention heads"), ("num_kv_heads", "key/value heads"),
-                          ("sentences_per_prompt", "sentences per prompt"), ("max_prompts", "training prompts"),
-                          ("eval_prompts", "held-out prompts")):
+    for flag, meaning in (
+        ("hidden_size", "model width"),
+        ("num_layers", "decoder layers"),
+        ("num_heads", "attention heads"),
+        ("num_kv_heads", "key/value heads"),
+        ("sentences_per_prompt", "sentences per prompt"),
+        ("max_prompts", "training prompts"),
+        ("eval_prompts", "held-out prompts"),
+    ):
         check.at_least(flag, getattr(recipe, flag), 1, meaning)
     if recipe.num_kv_heads > recipe.num_heads or recipe.num_heads % recipe.num_kv_heads:
         raise ValueError(f"--num_kv_heads {recipe.num_kv_heads}: must divide --num_heads {recipe.num_heads}")
     if recipe.hidden_size % recipe.num_heads or (recipe.hidden_size // recipe.num_heads) % 2:
-        raise ValueError(f"--hidden_size {recipe.hidden_size}: must be --num_heads {recipe.num_heads} x an even head "
-                         "size (rotary positions turn pairs of channels)")
+        raise ValueError(
+            f"--hidden_size {recipe.hidden_size}: must be --num_heads {recipe.num_heads} x an even head "
+            "size (rotary positions turn pairs of channels)"
+        )
     check.at_least("max_train_minutes", recipe.max_train_minutes, 0, "minutes of training; 0: no limit")
     check.at_least("sft_minutes", recipe.sft_minutes, 0, "minutes of supervised warm-up; 0: none")
     check.at_least("num_threads", recipe.num_threads, 0, "torch threads per process; 0: cores / local processes")
@@ -137,11 +161,12 @@ def check_args(recipe: RecipeArguments, args: GRPOArguments) -> None:
 
 # ---- the task -----------------------------------------------------------------------------------------------
 
+
 def prompts(sentences: list[list[int]], per_prompt: int, limit: int, tokenizer) -> Dataset:
     """Consecutive sentences (ids ending with </s>) as one prompt; the first one is the reference."""
     rows = []
     for start in range(0, len(sentences) - per_prompt + 1, per_prompt):
-        chunk = sentences[start:start + per_prompt]
+        chunk = sentences[start : start + per_prompt]
         ids = [t for s in chunk for t in s]
         rows.append({"prompt": tokenizer.decode(ids), "reference": chunk[0][:-1]})
         if len(rows) == limit:
@@ -182,24 +207,53 @@ def warm_up(model, train: Dataset, held_out: Dataset, tokenizer, args: GRPOArgum
     """The usual start of RL: a few minutes of supervised training on the task itself (loss on the first
     sentence only), sequence-parallel too. Returns the layout, which GRPO reuses with the patched model."""
     sft_args = SequenceParallelSFTConfig(
-        output_dir=str(Path(args.output_dir) / "sft"), sp_size=args.sp_size, sp_mode=args.sp_mode,
-        sp_ring_size=args.sp_ring_size, per_device_train_batch_size=8, learning_rate=3e-3,
-        lr_scheduler_type="constant", max_steps=10000, logging_steps=20, save_strategy="no", report_to="none",
-        max_length=None, bf16=args.bf16, seed=args.seed, **{CHECKPOINTING: getattr(args, CHECKPOINTING)},
+        output_dir=str(Path(args.output_dir) / "sft"),
+        sp_size=args.sp_size,
+        sp_mode=args.sp_mode,
+        sp_ring_size=args.sp_ring_size,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        max_steps=10000,
+        logging_steps=20,
+        save_strategy="no",
+        report_to="none",
+        max_length=None,
+        bf16=args.bf16,
+        seed=args.seed,
+        **{CHECKPOINTING: getattr(args, CHECKPOINTING)},
         ddp_find_unused_parameters=args.ddp_find_unused_parameters,
-        dataloader_num_workers=0, use_cpu=args.use_cpu, per_device_eval_batch_size=8, eval_strategy="no")
+        dataloader_num_workers=0,
+        use_cpu=args.use_cpu,
+        per_device_eval_batch_size=8,
+        eval_strategy="no",
+    )
+
     def pairs(data):
-        return Dataset.from_dict({"prompt": data["prompt"], "completion": [tokenizer.decode(ref) + tokenizer.eos_token
-                                                                           for ref in data["reference"]]})
-    trainer = SequenceParallelSFTTrainer(model=model, args=sft_args, train_dataset=pairs(train),
-                                         eval_dataset=pairs(held_out), processing_class=tokenizer,
-                                         callbacks=[TimeBudgetCallback(minutes)])
+        return Dataset.from_dict(
+            {
+                "prompt": data["prompt"],
+                "completion": [tokenizer.decode(ref) + tokenizer.eos_token for ref in data["reference"]],
+            }
+        )
+
+    trainer = SequenceParallelSFTTrainer(
+        model=model,
+        args=sft_args,
+        train_dataset=pairs(train),
+        eval_dataset=pairs(held_out),
+        processing_class=tokenizer,
+        callbacks=[TimeBudgetCallback(minutes)],
+    )
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     evals = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r]
-    logger.info("supervised warm-up: %d steps, loss %s, held-out loss %s", trainer.state.global_step,
-                " -> ".join(f"{x:.3f}" for x in losses[:1] + losses[-1:]) or "-",
-                f"{evals[-1]:.3f}" if evals else "-")
+    logger.info(
+        "supervised warm-up: %d steps, loss %s, held-out loss %s",
+        trainer.state.global_step,
+        " -> ".join(f"{x:.3f}" for x in losses[:1] + losses[-1:]) or "-",
+        f"{evals[-1]:.3f}" if evals else "-",
+    )
     return trainer.layout
 
 
@@ -232,61 +286,100 @@ def main(argv=None):
     set_seed(args.seed)
     started = time.time()
     with args.main_process_first(desc="preparing the data"):  # the SFT recipe's cache entry (same settings)
-        tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=recipe.vocab_size, seed=0,
-                                                     max_source_length=80, max_target_length=80,
-                                                     max_pairs=recipe.max_pairs)
+        tokenizer, splits = translation_data.prepare(
+            recipe.data_cache_dir,
+            vocab_size=recipe.vocab_size,
+            seed=0,
+            max_source_length=80,
+            max_target_length=80,
+            max_pairs=recipe.max_pairs,
+        )
     translation_data.check_same_tokenizer(tokenizer, args.device)  # a cache per node may differ
     tokenizer.padding_side = "left"
     train = prompts(splits["train"]["input_ids"], recipe.sentences_per_prompt, recipe.max_prompts, tokenizer)
     held_out = prompts(splits["test"]["input_ids"], recipe.sentences_per_prompt, recipe.eval_prompts, tokenizer)
-    logger.info("data: %d prompts of %d sentences (%d tokens on average)", len(train), recipe.sentences_per_prompt,
-                sum(len(tokenizer(p)["input_ids"]) for p in train["prompt"][:50]) // min(50, len(train)))
+    logger.info(
+        "data: %d prompts of %d sentences (%d tokens on average)",
+        len(train),
+        recipe.sentences_per_prompt,
+        sum(len(tokenizer(p)["input_ids"]) for p in train["prompt"][:50]) // min(50, len(train)),
+    )
 
     if recipe.init_from:
         model = LlamaForCausalLM.from_pretrained(recipe.init_from)
     else:
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=recipe.hidden_size,
-                             intermediate_size=4 * recipe.hidden_size, num_hidden_layers=recipe.num_layers,
-                             num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
-                             max_position_embeddings=max(16 * recipe.sentences_per_prompt + 64, 2048),
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=None, tie_word_embeddings=True)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=recipe.hidden_size,
+            intermediate_size=4 * recipe.hidden_size,
+            num_hidden_layers=recipe.num_layers,
+            num_attention_heads=recipe.num_heads,
+            num_key_value_heads=recipe.num_kv_heads,
+            max_position_embeddings=max(16 * recipe.sentences_per_prompt + 64, 2048),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=True,
+        )
         model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    logger.info("model: Llama %d layers, hidden %d, %.1fM parameters; sp_size=%d (%s); %d completions per prompt",
-                model.config.num_hidden_layers, model.config.hidden_size,
-                sum(p.numel() for p in model.parameters()) / 1e6, args.sp_size, args.sp_mode, args.num_generations)
+    logger.info(
+        "model: Llama %d layers, hidden %d, %.1fM parameters; sp_size=%d (%s); %d completions per prompt",
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        args.sp_size,
+        args.sp_mode,
+        args.num_generations,
+    )
 
     layout = warm_up(model, train, held_out, tokenizer, args, recipe.sft_minutes) if recipe.sft_minutes > 0 else None
     trainer = SequenceParallelGRPOTrainer(
-        model=model, layout=layout, reward_funcs=make_rewards(tokenizer), args=args, train_dataset=train,
-        eval_dataset=held_out, processing_class=tokenizer,
-        callbacks=[TimeBudgetCallback(recipe.max_train_minutes), JsonlLog(Path(args.output_dir) / "log.jsonl")])
+        model=model,
+        layout=layout,
+        reward_funcs=make_rewards(tokenizer),
+        args=args,
+        train_dataset=train,
+        eval_dataset=held_out,
+        processing_class=tokenizer,
+        callbacks=[TimeBudgetCallback(recipe.max_train_minutes), JsonlLog(Path(args.output_dir) / "log.jsonl")],
+    )
     trainer.train()
     trainer.save_model(args.output_dir)
     evals = [r for r in trainer.state.log_history if "eval_reward" in r]
 
     if trainer.is_world_process_zero():
         rewards = [r for r in trainer.state.log_history if "reward" in r]
-        first, last = rewards[: max(1, len(rewards) // 10)], rewards[-max(1, len(rewards) // 10):]
-        mean = (lambda rows, key: sum(r[key] for r in rows) / len(rows))
-        print(f"\n{len(rewards)} steps; mean reward of the first tenth {mean(first, 'reward'):.3f} -> last tenth "
-              f"{mean(last, 'reward'):.3f} (first_sentence {mean(first, 'rewards/first_sentence/mean'):.3f} -> "
-              f"{mean(last, 'rewards/first_sentence/mean'):.3f}, first_words "
-              f"{mean(first, 'rewards/first_words/mean'):.3f} -> {mean(last, 'rewards/first_words/mean'):.3f}); "
-              f"total time {(time.time() - started) / 60:.1f} min; log: {Path(args.output_dir) / 'log.jsonl'}")
+        first, last = rewards[: max(1, len(rewards) // 10)], rewards[-max(1, len(rewards) // 10) :]
+        mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+        print(
+            f"\n{len(rewards)} steps; mean reward of the first tenth {mean(first, 'reward'):.3f} -> last tenth "
+            f"{mean(last, 'reward'):.3f} (first_sentence {mean(first, 'rewards/first_sentence/mean'):.3f} -> "
+            f"{mean(last, 'rewards/first_sentence/mean'):.3f}, first_words "
+            f"{mean(first, 'rewards/first_words/mean'):.3f} -> {mean(last, 'rewards/first_words/mean'):.3f}); "
+            f"total time {(time.time() - started) / 60:.1f} min; log: {Path(args.output_dir) / 'log.jsonl'}"
+        )
         for r in evals:
-            print(f"  eval at step {r['step']}: reward {r['eval_reward']:.3f} (first_sentence "
-                  f"{r['eval_rewards/first_sentence/mean']:.3f}, first_words {r['eval_rewards/first_words/mean']:.3f})")
+            print(
+                f"  eval at step {r['step']}: reward {r['eval_reward']:.3f} (first_sentence "
+                f"{r['eval_rewards/first_sentence/mean']:.3f}, first_words {r['eval_rewards/first_words/mean']:.3f})"
+            )
     # every rank generates (the prompt prefilled sharded over the SP group: a collective), rank 0 prints
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     for i in range(2):
         ids = tokenizer(train[i]["prompt"], return_tensors="pt")["input_ids"].to(model.device)
-        out = model.generate(input_ids=ids, max_new_tokens=args.max_completion_length, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            input_ids=ids,
+            max_new_tokens=args.max_completion_length,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         if trainer.is_world_process_zero():
-            print(f"  FIRST: {tokenizer.decode(train[i]['reference'])}\n  OUT:   "
-                  f"{tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}")
+            print(
+                f"  FIRST: {tokenizer.decode(train[i]['reference'])}\n  OUT:   "
+                f"{tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}"
+            )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,13 @@ def label(summary: dict, run_dir: Path) -> str:
     parts = [f"sp={summary.get('sp_size', 1)}"]
     if summary.get("document_sentences", 1) > 1:
         command = summary.get("command", [])
-        fixed = "--mixed_documents" in command and command[command.index("--mixed_documents") + 1:][:1] in (
-            ["false"], ["False"])
-        parts.append(f"documents of {'' if fixed else 'up to '}{summary['document_sentences']} sentences "
-                     "(document BLEU)")
+        fixed = "--mixed_documents" in command and command[command.index("--mixed_documents") + 1 :][:1] in (
+            ["false"],
+            ["False"],
+        )
+        parts.append(
+            f"documents of {'' if fixed else 'up to '}{summary['document_sentences']} sentences (document BLEU)"
+        )
     else:
         parts.append("sentences")
     return f"{run_dir.name}: " + ", ".join(parts)
@@ -43,17 +46,31 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
         warm = summary.get("sentence_warmup_minutes", 0)
         start = [] if warm else [(0, 0)]  # after a warm start on sentences, the documents' first BLEU is unknown
         points = start + [(p["minutes"], p["eval_bleu"]) for p in curve]
-        ax.plot([m for m, _ in points], [b for _, b in points], marker="o", ms=3, color=color,
-                label=label(summary, run_dir))
+        ax.plot(
+            [m for m, _ in points], [b for _, b in points], marker="o", ms=3, color=color, label=label(summary, run_dir)
+        )
         if warm:
             ax.axvspan(0, warm, color=color, alpha=0.08)
-            ax.text(warm, 1 + 4 * warm_starts, f"{run_dir.name}: sentences until {warm:g} min ", color=color,
-                    fontsize=7, ha="right", va="bottom")
+            ax.text(
+                warm,
+                1 + 4 * warm_starts,
+                f"{run_dir.name}: sentences until {warm:g} min ",
+                color=color,
+                fontsize=7,
+                ha="right",
+                va="bottom",
+            )
             warm_starts += 1
         end = curve[-1]["minutes"] if curve else 0
         ax.scatter([end], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3)
-        ax.annotate(f"{summary['test_bleu']:.2f}", (end, summary["test_bleu"]), textcoords="offset points",
-                    xytext=(7, 2 if i % 2 == 0 else -9), color=color, fontsize=8)
+        ax.annotate(
+            f"{summary['test_bleu']:.2f}",
+            (end, summary["test_bleu"]),
+            textcoords="offset points",
+            xytext=(7, 2 if i % 2 == 0 else -9),
+            color=color,
+            fontsize=8,
+        )
     ax.scatter([], [], marker="*", s=100, color="gray", label="test BLEU (beam 4, all test sentences / documents)")
     ax.set_xlabel("minutes of training (2 CPU cores); lines: validation BLEU, greedy")
     ax.set_ylabel("BLEU")
@@ -71,7 +88,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     missing = [str(d) for d in args.run_dirs if not (d / "run_summary.json").is_file()]
     if missing:
-        parser.error(f"no run_summary.json in {', '.join(missing)} (written at the end of recipes/train_translation.py)")
+        parser.error(
+            f"no run_summary.json in {', '.join(missing)} (written at the end of recipes/train_translation.py)"
+        )
     print(plot(args.run_dirs, args.out))
 
 

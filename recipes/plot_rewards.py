@@ -1,5 +1,7 @@
 """Reward against step from a GRPO run's log (recipes/grpo_long_context.py writes <output_dir>/log.jsonl).
 
+From the repository root:
+
     python recipes/plot_rewards.py runs/grpo_long_context                      # -> runs/grpo_long_context/reward.png
     python recipes/plot_rewards.py runs/grpo_long_context --out benchmarks/figures/grpo_reward.png
 """
@@ -15,8 +17,11 @@ if __package__:  # imported as recipes.plot_rewards (tests)
 else:  # run as a script: its folder is on sys.path
     from figures import pyplot, save
 
-CURVES = (("reward", "reward (sum)"), ("rewards/first_sentence/mean", "first_sentence (F1)"),
-          ("rewards/first_words/mean", "first_words (prefix)"))
+CURVES = (
+    ("reward", "reward (sum)"),
+    ("rewards/first_sentence/mean", "first_sentence (F1)"),
+    ("rewards/first_words/mean", "first_words (prefix)"),
+)
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -42,8 +47,15 @@ def plot(rows: list[dict], out: Path, window: int, title: str) -> Path:
             values = [r[key] for r in rows]
             total = key == "reward"  # the sum, dashed and on top: it equals a part whenever the others are 0
             ax.plot(steps, values, color=color, alpha=0.2, lw=0.8)
-            ax.plot(steps, smooth(values, window), color=color, lw=1.4 if total else 1.8, ls="--" if total else "-",
-                    zorder=3 if total else 2, label=f"{label}, mean of {window} steps")
+            ax.plot(
+                steps,
+                smooth(values, window),
+                color=color,
+                lw=1.4 if total else 1.8,
+                ls="--" if total else "-",
+                zorder=3 if total else 2,
+                label=f"{label}, mean of {window} steps",
+            )
     minutes = (rows[-1]["time"] - rows[0]["time"]) / 60 if rows and "time" in rows[0] else None
     ax.set_xlabel("optimizer step" + (f" ({minutes:.0f} minutes)" if minutes else ""))
     ax.set_ylabel("reward per completion")

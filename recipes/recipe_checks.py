@@ -91,9 +91,15 @@ def _sections(groups: tuple) -> list:
     training_title = "training arguments"
     for cls in groups:
         hints = typing.get_type_hints(cls)
-        fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                                             metadata=f.metadata))
-                  for f in dataclasses.fields(cls) if f.init]
+        fields = [
+            (
+                f.name,
+                hints[f.name],
+                dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata),
+            )
+            for f in dataclasses.fields(cls)
+            if f.init
+        ]
         added = _seqpar_fields(cls)
         if not added:  # the recipe's own dataclass
             name = cls.__name__.removesuffix("Arguments").lower()
@@ -101,10 +107,12 @@ def _sections(groups: tuple) -> list:
             continue
         sp += [f for f in fields if f[0] in added]
         training += [f for f in fields if f[0] not in added]
-        base = next(c for c in cls.__mro__ if dataclasses.is_dataclass(c) and not _ours(c) and c.__module__ !=
-                    cls.__module__)
-        training_title = (f"training arguments ({base.__module__.split('.')[0]} {base.__name__}, with this recipe's "
-                          "defaults)")
+        base = next(
+            c for c in cls.__mro__ if dataclasses.is_dataclass(c) and not _ours(c) and c.__module__ != cls.__module__
+        )
+        training_title = (
+            f"training arguments ({base.__module__.split('.')[0]} {base.__name__}, with this recipe's defaults)"
+        )
     sections = [("sequence parallelism (seqpar_hf)", sp), *recipe, (training_title, training)]
     views = []
     for title, fields in sections:
@@ -121,7 +129,9 @@ def _ours(cls) -> bool:
 
 def _seqpar_fields(cls) -> set:
     """The fields seqpar_hf's classes add to a training-arguments class (not those it only re-defaults)."""
+
     def declared(classes):
         return {name for c in classes if dataclasses.is_dataclass(c) for name in c.__dict__.get("__annotations__", {})}
+
     mro = cls.__mro__
     return declared(c for c in mro if _ours(c)) - declared(c for c in mro if not _ours(c))

@@ -88,8 +88,9 @@ class SFTArguments(SequenceParallelSFTConfig):
     ddp_find_unused_parameters: bool | None = False
     # TRL checkpoints by default; a small model's activations fit (turn it on for long rows on a GPU). Where the
     # field is activation_checkpointing (False unless set), the old name stays unset: setting it warns
-    gradient_checkpointing: bool | None = (None if recipe_checks.checkpointing_field() == "activation_checkpointing"
-                                           else False)
+    gradient_checkpointing: bool | None = (
+        None if recipe_checks.checkpointing_field() == "activation_checkpointing" else False
+    )
 
 
 def parse_args(argv=None):
@@ -101,24 +102,39 @@ def check_args(recipe: RecipeArguments, args: SFTArguments) -> None:
     """The recipe's flags (and the training flags it relies on), before any data or process-group work:
     ValueError "--flag value: what is allowed". Reads only the arguments (and tries --output_dir)."""
     check = recipe_checks
-    for flag, meaning in (("hidden_size", "model width"), ("num_layers", "decoder layers"),
-                          ("num_heads", "attention heads"), ("num_kv_heads", "key/value heads"),
-                          ("pairs_per_document", "sentence pairs per document"),
-                          ("max_documents", "training documents"), ("eval_documents", "held-out documents")):
+    for flag, meaning in (
+        ("hidden_size", "model width"),
+        ("num_layers", "decoder layers"),
+        ("num_heads", "attention heads"),
+        ("num_kv_heads", "key/value heads"),
+        ("pairs_per_document", "sentence pairs per document"),
+        ("max_documents", "training documents"),
+        ("eval_documents", "held-out documents"),
+    ):
         check.at_least(flag, getattr(recipe, flag), 1, meaning)
     if recipe.num_kv_heads > recipe.num_heads or recipe.num_heads % recipe.num_kv_heads:
-        raise ValueError(f"--num_kv_heads {recipe.num_kv_heads}: must divide --num_heads {recipe.num_heads} "
-                         "(grouped-query attention: each key/value head serves the same number of query heads)")
+        raise ValueError(
+            f"--num_kv_heads {recipe.num_kv_heads}: must divide --num_heads {recipe.num_heads} "
+            "(grouped-query attention: each key/value head serves the same number of query heads)"
+        )
     if recipe.hidden_size % recipe.num_heads or (recipe.hidden_size // recipe.num_heads) % 2:
-        raise ValueError(f"--hidden_size {recipe.hidden_size}: must be --num_heads {recipe.num_heads} x an even head "
-                         "size (each head gets hidden_size / num_heads channels; rotary positions turn pairs of them)")
+        raise ValueError(
+            f"--hidden_size {recipe.hidden_size}: must be --num_heads {recipe.num_heads} x an even head "
+            "size (each head gets hidden_size / num_heads channels; rotary positions turn pairs of them)"
+        )
     if recipe.pairs_per_document * recipe.eval_documents > EVAL_PAIRS:
-        raise ValueError(f"--eval_documents {recipe.eval_documents} x --pairs_per_document {recipe.pairs_per_document}: "
-                         f"must be at most {EVAL_PAIRS} pairs (the held-out documents are cut from the last "
-                         f"{EVAL_PAIRS} pairs of the training split)")
+        raise ValueError(
+            f"--eval_documents {recipe.eval_documents} x --pairs_per_document {recipe.pairs_per_document}: "
+            f"must be at most {EVAL_PAIRS} pairs (the held-out documents are cut from the last "
+            f"{EVAL_PAIRS} pairs of the training split)"
+        )
     check.at_least("max_train_minutes", recipe.max_train_minutes, 0, "minutes of training; 0: no limit")
-    check.at_least("num_threads", recipe.num_threads, 0, "torch threads per process; 0: the usable cores divided by "
-                   "the local processes")
+    check.at_least(
+        "num_threads",
+        recipe.num_threads,
+        0,
+        "torch threads per process; 0: the usable cores divided by the local processes",
+    )
     if args.max_length is None:
         raise ValueError("--max_length None: must be a number of tokens (the packed rows' length, what SP splits)")
     check.at_least("max_length", args.max_length, 1, "tokens per packed row, what SP splits")
@@ -153,30 +169,58 @@ def main(argv=None):
     set_seed(args.seed)
     started = time.time()
     with args.main_process_first(desc="preparing the data"):
-        tokenizer, splits = translation_data.prepare(recipe.data_cache_dir, vocab_size=8000, seed=0,
-                                                     max_source_length=80, max_target_length=80)
+        tokenizer, splits = translation_data.prepare(
+            recipe.data_cache_dir, vocab_size=8000, seed=0, max_source_length=80, max_target_length=80
+        )
     translation_data.check_same_tokenizer(tokenizer, args.device)  # a cache per node may differ
     held_out = len(splits["train"]) - EVAL_PAIRS  # training never reaches the evaluation pairs, however many documents
     train = documents(splits["train"].select(range(held_out)), recipe.pairs_per_document, recipe.max_documents)
-    evaluation = documents(splits["train"].select(range(held_out, len(splits["train"]))),
-                           recipe.pairs_per_document, recipe.eval_documents)
+    evaluation = documents(
+        splits["train"].select(range(held_out, len(splits["train"]))), recipe.pairs_per_document, recipe.eval_documents
+    )
     lengths = [len(d) for d in train["input_ids"]]
-    logger.info("data: %d documents of %d pairs (%.0f tokens on average), packed into rows of %d tokens",
-                len(train), recipe.pairs_per_document, sum(lengths) / len(lengths), args.max_length)
+    logger.info(
+        "data: %d documents of %d pairs (%.0f tokens on average), packed into rows of %d tokens",
+        len(train),
+        recipe.pairs_per_document,
+        sum(lengths) / len(lengths),
+        args.max_length,
+    )
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=recipe.hidden_size,
-                         intermediate_size=4 * recipe.hidden_size, num_hidden_layers=recipe.num_layers,
-                         num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
-                         max_position_embeddings=max(args.max_length, 2048), pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=4 * recipe.hidden_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=max(args.max_length, 2048),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    logger.info("model: Llama %d layers, hidden %d, %d/%d heads, %.1fM parameters; sp_size=%d (%s)",
-                recipe.num_layers, recipe.hidden_size, recipe.num_heads, recipe.num_kv_heads,
-                sum(p.numel() for p in model.parameters()) / 1e6, args.sp_size, args.sp_mode)
+    logger.info(
+        "model: Llama %d layers, hidden %d, %d/%d heads, %.1fM parameters; sp_size=%d (%s)",
+        recipe.num_layers,
+        recipe.hidden_size,
+        recipe.num_heads,
+        recipe.num_kv_heads,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        args.sp_size,
+        args.sp_mode,
+    )
 
-    trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                                         processing_class=tokenizer, callbacks=[TimeBudgetCallback(recipe.max_train_minutes)])
+    trainer = SequenceParallelSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        callbacks=[TimeBudgetCallback(recipe.max_train_minutes)],
+    )
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(args.output_dir)
@@ -188,13 +232,15 @@ def main(argv=None):
     for i in range(3):
         prompt = torch.tensor([test["input_ids"][i]], device=model.device)
         out = model.generate(input_ids=prompt, max_new_tokens=30, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-        continuations.append(translation_data.decode_french(tokenizer, [out[0, prompt.shape[1]:].tolist()])[0])
+        continuations.append(translation_data.decode_french(tokenizer, [out[0, prompt.shape[1] :].tolist()])[0])
     if trainer.is_world_process_zero():
         print("\nContinuations (English </s> -> the model's French):")
         for i, french in enumerate(continuations):
             print(f"  EN:  {test['en'][i]}\n  OUT: {french}\n")
-        print(f"eval_loss {metrics['eval_loss']:.3f}; eval token accuracy {metrics['eval_mean_token_accuracy']:.3f}; "
-              f"total time {(time.time() - started) / 60:.1f} min; saved model: {os.path.abspath(args.output_dir)}")
+        print(
+            f"eval_loss {metrics['eval_loss']:.3f}; eval token accuracy {metrics['eval_mean_token_accuracy']:.3f}; "
+            f"total time {(time.time() - started) / 60:.1f} min; saved model: {os.path.abspath(args.output_dir)}"
+        )
     return metrics
 
 

@@ -51,15 +51,33 @@ from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
 if __package__:  # imported as recipes.train_translation (tests, benchmarks)
     from . import recipe_checks, translation_data
-    from .translation_training import (BudgetTrainer, RealTokens, TokenCounter, bleu_metric, build_model,
-                                       choose_precision, generation_kwargs_fn, make_compute_metrics,
-                                       sentence_warm_start, use_the_cores)
+    from .translation_training import (
+        BudgetTrainer,
+        RealTokens,
+        TokenCounter,
+        bleu_metric,
+        build_model,
+        choose_precision,
+        generation_kwargs_fn,
+        make_compute_metrics,
+        sentence_warm_start,
+        use_the_cores,
+    )
 else:  # launched as a script: its folder is on sys.path
     import recipe_checks
     import translation_data
-    from translation_training import (BudgetTrainer, RealTokens, TokenCounter, bleu_metric, build_model,
-                                      choose_precision, generation_kwargs_fn, make_compute_metrics,
-                                      sentence_warm_start, use_the_cores)
+    from translation_training import (
+        BudgetTrainer,
+        RealTokens,
+        TokenCounter,
+        bleu_metric,
+        build_model,
+        choose_precision,
+        generation_kwargs_fn,
+        make_compute_metrics,
+        sentence_warm_start,
+        use_the_cores,
+    )
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("train_translation")
@@ -79,70 +97,128 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     vocab_size: int = field(default=8000, metadata={"help": "Shared English+French BPE vocabulary."})
-    lowercase: bool = field(default=False, metadata={
-        "help": "Lowercase every sentence before NLTK tokenization, as the seed tutorial did (BLEU is then "
-                "scored against lowercased references, so it is not comparable with cased BLEU)."})
-    pack_tokens: int = field(default=-1, metadata={
-        "help": "Train on packed rows: the sentence pairs of each batch are packed into rows of up to N tokens "
-                "per side, each pair attending only to itself, with restarting positions: the same training as "
-                "padded batches without the padding. Evaluation stays one sentence per row. 0: padded batches; "
-                "-1 (default): 128 for sentence pairs, padded batches for documents."})
-    document_sentences: int = field(default=1, metadata={
-        "help": "Document-level translation: join N consecutive pairs into one source/target document (one long "
-                "sequence, attention across its sentences). The default training batch and --max_eval_samples "
-                "are divided by N (same sentences per step), the evaluation batch by N / 4 (fewer decoding "
-                "steps)."})
-    mixed_documents: bool = field(default=True, metadata={
-        "help": "With --document_sentences N: training documents of 1 to N pairs (a seeded draw per document), so "
-                "the model learns sentences and documents of every length in one run; held-out documents keep N."})
-    sentence_markers: bool = field(default=True, metadata={
-        "help": "With --document_sentences N: a numbered marker <s1> .. <sN> before each sentence of a document on "
-                "both sides (the warm-start sentences start with a random one), so the decoder writing sentence k "
-                "finds source sentence k by an exact token match instead of counting boundaries over hundreds of "
-                "tokens; generation writes the markers in order, one per source sentence. Dropped from the output "
-                "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without (recipes/README.md)."})
-    sentence_separator: bool = field(default=False, metadata={
-        "help": "With --document_sentences N: one <sep> token between a document's sentences on both sides instead "
-                "of the numbered markers (needs --sentence_markers false); not better than nothing in the one run "
-                "measured (recipes/README.md)."})
-    sentence_warmup_minutes: float = field(default=-1.0, metadata={
-        "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
-                "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
-                "it learns long documents (a sentence-level warm start within the run); -1: a third of the "
-                "budget; 0: documents from the start."})
-    max_source_length: int = field(default=0, metadata={"help": "Truncate sources to this many tokens "
-                                                                "(0: 80 x document_sentences, which truncates "
-                                                                "nothing)."})
+    lowercase: bool = field(
+        default=False,
+        metadata={
+            "help": "Lowercase every sentence before NLTK tokenization, as the seed tutorial did (BLEU is then "
+            "scored against lowercased references, so it is not comparable with cased BLEU)."
+        },
+    )
+    pack_tokens: int = field(
+        default=-1,
+        metadata={
+            "help": "Train on packed rows: the sentence pairs of each batch are packed into rows of up to N tokens "
+            "per side, each pair attending only to itself, with restarting positions: the same training as "
+            "padded batches without the padding. Evaluation stays one sentence per row. 0: padded batches; "
+            "-1 (default): 128 for sentence pairs, padded batches for documents."
+        },
+    )
+    document_sentences: int = field(
+        default=1,
+        metadata={
+            "help": "Document-level translation: join N consecutive pairs into one source/target document (one long "
+            "sequence, attention across its sentences). The default training batch and --max_eval_samples "
+            "are divided by N (same sentences per step), the evaluation batch by N / 4 (fewer decoding "
+            "steps)."
+        },
+    )
+    mixed_documents: bool = field(
+        default=True,
+        metadata={
+            "help": "With --document_sentences N: training documents of 1 to N pairs (a seeded draw per document), so "
+            "the model learns sentences and documents of every length in one run; held-out documents keep N."
+        },
+    )
+    sentence_markers: bool = field(
+        default=True,
+        metadata={
+            "help": "With --document_sentences N: a numbered marker <s1> .. <sN> before each sentence of a document on "
+            "both sides (the warm-start sentences start with a random one), so the decoder writing sentence k "
+            "finds source sentence k by an exact token match instead of counting boundaries over hundreds of "
+            "tokens; generation writes the markers in order, one per source sentence. Dropped from the output "
+            "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without (recipes/README.md)."
+        },
+    )
+    sentence_separator: bool = field(
+        default=False,
+        metadata={
+            "help": "With --document_sentences N: one <sep> token between a document's sentences on both sides instead "
+            "of the numbered markers (needs --sentence_markers false); not better than nothing in the one run "
+            "measured (recipes/README.md)."
+        },
+    )
+    sentence_warmup_minutes: float = field(
+        default=-1.0,
+        metadata={
+            "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
+            "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
+            "it learns long documents (a sentence-level warm start within the run); -1: a third of the "
+            "budget; 0: documents from the start."
+        },
+    )
+    max_source_length: int = field(
+        default=0,
+        metadata={
+            "help": "Truncate sources to this many tokens (0: 80 x document_sentences, which truncates nothing)."
+        },
+    )
     max_target_length: int = field(default=0, metadata={"help": "Same for targets."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
-    max_eval_samples: int | None = field(default=400, metadata={
-        "help": "Validation examples for the periodic evaluation (BLEU by greedy decoding)."})
+    max_eval_samples: int | None = field(
+        default=400, metadata={"help": "Validation examples for the periodic evaluation (BLEU by greedy decoding)."}
+    )
     max_test_samples: int | None = field(default=None, metadata={"help": "Test examples (default: all)."})
-    num_threads: int = field(default=0, metadata={
-        "help": "Torch threads per process on CPU; 0: the usable cores divided by the local processes."})
-    max_pairs: int | None = field(default=None, metadata={
-        "help": "Read only the first N pairs of the data file (its shortest sentences; for quick tests)."})
+    num_threads: int = field(
+        default=0,
+        metadata={"help": "Torch threads per process on CPU; 0: the usable cores divided by the local processes."},
+    )
+    max_pairs: int | None = field(
+        default=None,
+        metadata={"help": "Read only the first N pairs of the data file (its shortest sentences; for quick tests)."},
+    )
     test_num_beams: int = field(default=4, metadata={"help": "Beam size for the final test translation."})
-    max_length_a: float = field(default=1.5, metadata={
-        "help": "Each generated translation stops after a x source tokens + b (as translation toolkits bound it); "
-                "0 disables the per-sentence bound."})
+    max_length_a: float = field(
+        default=1.5,
+        metadata={
+            "help": "Each generated translation stops after a x source tokens + b (as translation toolkits bound it); "
+            "0 disables the per-sentence bound."
+        },
+    )
     max_length_b: int = field(default=10, metadata={"help": "See --max_length_a."})
-    no_repeat_ngram_size: int = field(default=3, metadata={
-        "help": "Generation never repeats an n-gram of this size (guards beam search against 'propres propres "
-                "propres ...'); 0 disables it."})
-    max_train_minutes: float = field(default=22.0, metadata={
-        "help": "Stop training after this many minutes (evaluation, test and saving follow); 0: no limit."})
-    eval_every_minutes: float = field(default=5.0, metadata={
-        "help": "Evaluate (BLEU of greedy translations of the validation sample) each time this many more minutes "
-                "of training were spent, and at the end; 0: only by --eval_strategy."})
-    lr_decay: str = field(default="budget", metadata={
-        "help": "budget: linear warmup, then linear decay to 0 exactly when --max_train_minutes is spent (a run "
-                "stopped by its budget ends annealed); steps: --lr_scheduler_type over the step count.",
-        "choices": ["budget", "steps"]})
-    precision: str = field(default="auto", metadata={
-        "help": "bf16: mixed precision (bf16 matmuls, fp32 weights and loss); fp32; auto: bf16 where the hardware "
-                "computes it fast (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else fp32.",
-        "choices": ["auto", "bf16", "fp32"]})
+    no_repeat_ngram_size: int = field(
+        default=3,
+        metadata={
+            "help": "Generation never repeats an n-gram of this size (guards beam search against 'propres propres "
+            "propres ...'); 0 disables it."
+        },
+    )
+    max_train_minutes: float = field(
+        default=22.0,
+        metadata={"help": "Stop training after this many minutes (evaluation, test and saving follow); 0: no limit."},
+    )
+    eval_every_minutes: float = field(
+        default=5.0,
+        metadata={
+            "help": "Evaluate (BLEU of greedy translations of the validation sample) each time this many more minutes "
+            "of training were spent, and at the end; 0: only by --eval_strategy."
+        },
+    )
+    lr_decay: str = field(
+        default="budget",
+        metadata={
+            "help": "budget: linear warmup, then linear decay to 0 exactly when --max_train_minutes is spent (a run "
+            "stopped by its budget ends annealed); steps: --lr_scheduler_type over the step count.",
+            "choices": ["budget", "steps"],
+        },
+    )
+    precision: str = field(
+        default="auto",
+        metadata={
+            "help": "bf16: mixed precision (bf16 matmuls, fp32 weights and loss); fp32; auto: bf16 where the hardware "
+            "computes it fast (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else fp32.",
+            "choices": ["auto", "bf16", "fp32"],
+        },
+    )
     num_examples_to_print: int = field(default=5, metadata={"help": "Test translations printed at the end."})
     data_cache_dir: str = field(default=str(ROOT / "cache"), metadata={"help": "Where preprocessed data is cached."})
 
@@ -176,14 +252,17 @@ class RecipeTrainingArguments(seqpar_hf.SequenceParallelArguments):
     ddp_find_unused_parameters: bool | None = False
 
 
-DEFAULT_BATCH = {name: RecipeTrainingArguments.__dataclass_fields__[name].default
-                 for name in ("per_device_train_batch_size", "per_device_eval_batch_size")}
+DEFAULT_BATCH = {
+    name: RecipeTrainingArguments.__dataclass_fields__[name].default
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size")
+}
 
 
 def parse_args(argv=None):
     """The three argument groups, checked (argparse's error, exit code 2, on every rank alike)."""
     model_args, data_args, training_args = recipe_checks.parse_checked(
-        (ModelArguments, DataArguments, RecipeTrainingArguments), check_args, argv)
+        (ModelArguments, DataArguments, RecipeTrainingArguments), check_args, argv
+    )
     data_args.pack_tokens = packed_row_tokens(data_args)
     return model_args, data_args, training_args
 
@@ -200,18 +279,28 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
     """The recipe's flags (and the training flags it relies on), before any data or process-group work:
     ValueError "--flag value: what is allowed". Reads only the arguments (and tries --output_dir)."""
     m, d, check = model_args, data_args, recipe_checks
-    for flag, meaning in (("d_model", "hidden size"), ("encoder_layers", "encoder layers"),
-                          ("decoder_layers", "decoder layers"), ("attention_heads", "attention heads"),
-                          ("ffn_dim", "feed-forward size")):
+    for flag, meaning in (
+        ("d_model", "hidden size"),
+        ("encoder_layers", "encoder layers"),
+        ("decoder_layers", "decoder layers"),
+        ("attention_heads", "attention heads"),
+        ("ffn_dim", "feed-forward size"),
+    ):
         check.at_least(flag, getattr(m, flag), 1, meaning)
     if m.d_model % m.attention_heads:
-        raise ValueError(f"--d_model {m.d_model}: must be a multiple of --attention_heads {m.attention_heads} "
-                         "(each head gets d_model / attention_heads channels)")
+        raise ValueError(
+            f"--d_model {m.d_model}: must be a multiple of --attention_heads {m.attention_heads} "
+            "(each head gets d_model / attention_heads channels)"
+        )
     check.fraction("dropout", m.dropout, "the probability of zeroing a hidden state")
     check.fraction("attention_dropout", m.attention_dropout, "the probability of zeroing an attention weight")
     specials = len(translation_data.SPECIAL_TOKENS)
-    check.at_least("vocab_size", d.vocab_size, specials + 1, f"the shared BPE vocabulary: {specials} special tokens "
-                   "and at least one more")
+    check.at_least(
+        "vocab_size",
+        d.vocab_size,
+        specials + 1,
+        f"the shared BPE vocabulary: {specials} special tokens and at least one more",
+    )
     check.at_least("document_sentences", d.document_sentences, 1, "sentence pairs per document; 1: one per row")
     for flag in ("max_source_length", "max_target_length"):
         value = getattr(d, flag)
@@ -221,37 +310,54 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
         check.at_least("pack_tokens", d.pack_tokens, 0, "tokens per packed row; 0: padded batches; -1: auto")
     check.at_least("eval_every_minutes", d.eval_every_minutes, 0, "minutes between evaluations; 0: none by time")
     if d.sentence_separator and d.sentence_markers:
-        raise ValueError("--sentence_separator and --sentence_markers (on by default) both mark the sentences of "
-                         "a document: choose one (--sentence_markers false for <sep>)")
+        raise ValueError(
+            "--sentence_separator and --sentence_markers (on by default) both mark the sentences of "
+            "a document: choose one (--sentence_markers false for <sep>)"
+        )
     pack = packed_row_tokens(d)
     if pack and d.document_sentences > 1:
-        raise ValueError(f"--pack_tokens {pack} packs sentence pairs into rows; --document_sentences "
-                         f"{d.document_sentences} joins them into documents: choose one")
+        raise ValueError(
+            f"--pack_tokens {pack} packs sentence pairs into rows; --document_sentences "
+            f"{d.document_sentences} joins them into documents: choose one"
+        )
     longest = max(d.max_source_length or 80 * d.document_sentences, d.max_target_length or 80 * d.document_sentences)
     if pack and pack < longest:
-        raise ValueError(f"--pack_tokens {pack}: shorter than the longest pair ({longest} tokens: "
-                         "--max_source_length / --max_target_length); raise it (e.g. --pack_tokens 128) or truncate "
-                         "the pairs")
+        raise ValueError(
+            f"--pack_tokens {pack}: shorter than the longest pair ({longest} tokens: "
+            "--max_source_length / --max_target_length); raise it (e.g. --pack_tokens 128) or truncate "
+            "the pairs"
+        )
     check.optional_positive("max_train_samples", d.max_train_samples, "training examples; leave it out for all")
-    check.optional_positive("max_eval_samples", d.max_eval_samples, "validation examples evaluated periodically; "
-                            "more than the split holds takes all of it")
+    check.optional_positive(
+        "max_eval_samples",
+        d.max_eval_samples,
+        "validation examples evaluated periodically; more than the split holds takes all of it",
+    )
     check.optional_positive("max_test_samples", d.max_test_samples, "test examples; leave it out for all")
     check.optional_positive("max_pairs", d.max_pairs, "pairs read from the data file; leave it out for all")
-    check.at_least("num_threads", d.num_threads, 0, "torch threads per process; 0: the usable cores divided by "
-                   "the local processes")
+    check.at_least(
+        "num_threads", d.num_threads, 0, "torch threads per process; 0: the usable cores divided by the local processes"
+    )
     check.at_least("test_num_beams", d.test_num_beams, 1, "beams of the final test translation; 1: greedy")
-    check.at_least("max_length_a", d.max_length_a, 0, "a translation stops after a x source tokens + b; 0: no "
-                   "per-sentence bound")
+    check.at_least(
+        "max_length_a", d.max_length_a, 0, "a translation stops after a x source tokens + b; 0: no per-sentence bound"
+    )
     check.at_least("max_length_b", d.max_length_b, 0, "tokens added to a x source tokens")
     check.at_least("no_repeat_ngram_size", d.no_repeat_ngram_size, 0, "n-grams never repeated; 0: off")
     check.at_least("max_train_minutes", d.max_train_minutes, 0, "minutes of training; 0: no limit")
     warm = d.sentence_warmup_minutes
     if warm != -1:
-        check.at_least("sentence_warmup_minutes", warm, 0, "minutes on single sentences before the documents; -1: a "
-                       "third of --max_train_minutes; 0: none")
+        check.at_least(
+            "sentence_warmup_minutes",
+            warm,
+            0,
+            "minutes on single sentences before the documents; -1: a third of --max_train_minutes; 0: none",
+        )
     if warm > 0 and d.max_train_minutes and warm >= d.max_train_minutes:
-        raise ValueError(f"--sentence_warmup_minutes {warm}: must be shorter than --max_train_minutes "
-                         f"{d.max_train_minutes} (the documents train in the rest)")
+        raise ValueError(
+            f"--sentence_warmup_minutes {warm}: must be shorter than --max_train_minutes "
+            f"{d.max_train_minutes} (the documents train in the rest)"
+        )
     check.at_least("num_examples_to_print", d.num_examples_to_print, 0, "test translations printed")
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         check.at_least(flag, getattr(training_args, flag), 1, "examples per rank and step")
@@ -274,10 +380,12 @@ def check_splits(splits, data_args: DataArguments, evaluating: bool) -> None:
     sizes = {name: len(splits[name]) for name in ("train", "validation", "test")}
     empty = [name for name, n in sizes.items() if n == 0 and (name != "validation" or evaluating)]
     if empty:
-        raise ValueError(f"--max_pairs {data_args.max_pairs}: the {' and '.join(empty)} split"
-                         f"{'s are' if len(empty) > 1 else ' is'} empty ({sizes['train']} train / {sizes['validation']}"
-                         f" validation / {sizes['test']} test examples); read more pairs: validation and test take 1% "
-                         "and 2% of the distinct English sentences, rounded")
+        raise ValueError(
+            f"--max_pairs {data_args.max_pairs}: the {' and '.join(empty)} split"
+            f"{'s are' if len(empty) > 1 else ' is'} empty ({sizes['train']} train / {sizes['validation']}"
+            f" validation / {sizes['test']} test examples); read more pairs: validation and test take 1% "
+            "and 2% of the distinct English sentences, rounded"
+        )
 
 
 def main(argv=None):
@@ -312,18 +420,28 @@ def main(argv=None):
             data_args.no_repeat_ngram_size = 0  # a document repeats 3-grams across its sentences ("Je ne ...")
     max_source = data_args.max_source_length or 80 * docs
     max_target = data_args.max_target_length or 80 * docs
-    if data_args.pack_tokens and training_args.train_sampling_strategy == "group_by_length" and \
-            "--train_sampling_strategy" not in (argv or sys.argv):
+    if (
+        data_args.pack_tokens
+        and training_args.train_sampling_strategy == "group_by_length"
+        and "--train_sampling_strategy" not in (argv or sys.argv)
+    ):
         training_args.train_sampling_strategy = "random"  # packed rows carry no padding: no need to sort by length
     with training_args.main_process_first(desc="preparing the data"):  # rank 0 builds the cache, others read it
         tokenizer, splits = translation_data.prepare(
-            data_args.data_cache_dir, vocab_size=data_args.vocab_size, seed=training_args.seed,
-            document_sentences=docs, max_source_length=max_source, max_target_length=max_target,
-            max_pairs=data_args.max_pairs, lowercase=data_args.lowercase, mixed_documents=data_args.mixed_documents,
-            sentence_separator=data_args.sentence_separator, sentence_markers=data_args.sentence_markers)
+            data_args.data_cache_dir,
+            vocab_size=data_args.vocab_size,
+            seed=training_args.seed,
+            document_sentences=docs,
+            max_source_length=max_source,
+            max_target_length=max_target,
+            max_pairs=data_args.max_pairs,
+            lowercase=data_args.lowercase,
+            mixed_documents=data_args.mixed_documents,
+            sentence_separator=data_args.sentence_separator,
+            sentence_markers=data_args.sentence_markers,
+        )
     translation_data.check_same_tokenizer(tokenizer, training_args.device)  # a cache per node may differ
-    check_splits(splits, data_args,
-                 evaluating=training_args.eval_strategy != "no" or data_args.eval_every_minutes > 0)
+    check_splits(splits, data_args, evaluating=training_args.eval_strategy != "no" or data_args.eval_every_minutes > 0)
     train, validation, test = splits["train"], splits["validation"], splits["test"]
     if data_args.max_train_samples:
         train = train.select(range(min(data_args.max_train_samples, len(train))))
@@ -331,25 +449,41 @@ def main(argv=None):
         validation = validation.select(range(min(data_args.max_eval_samples, len(validation))))
     if data_args.max_test_samples:
         test = test.select(range(min(data_args.max_test_samples, len(test))))
-    logger.info("data: %d train / %d validation / %d test examples (%d sentence pair%s each%s); prepared in %.0f s",
-                len(train), len(validation), len(test), docs, "s" if docs > 1 else "",
-                ", lowercased" if data_args.lowercase else "", time.time() - started)
+    logger.info(
+        "data: %d train / %d validation / %d test examples (%d sentence pair%s each%s); prepared in %.0f s",
+        len(train),
+        len(validation),
+        len(test),
+        docs,
+        "s" if docs > 1 else "",
+        ", lowercased" if data_args.lowercase else "",
+        time.time() - started,
+    )
 
     model = build_model(model_args, tokenizer, max(max_source, max_target))
     # saved with the model, so plain generate() after from_pretrained guards against repetition too
     model.generation_config.no_repeat_ngram_size = data_args.no_repeat_ngram_size or None
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("model: Marian d=%d, %d+%d layers, %d heads, %.1fM parameters; %s", model_args.d_model,
-                model_args.encoder_layers, model_args.decoder_layers, model_args.attention_heads, n_params / 1e6,
-                f"sp_size={training_args.sp_size} ({training_args.sp_mode})")
+    logger.info(
+        "model: Marian d=%d, %d+%d layers, %d heads, %.1fM parameters; %s",
+        model_args.d_model,
+        model_args.encoder_layers,
+        model_args.decoder_layers,
+        model_args.attention_heads,
+        n_params / 1e6,
+        f"sp_size={training_args.sp_size} ({training_args.sp_mode})",
+    )
     training_args.generation_max_length = max_target
     metric = bleu_metric()
     columns = ["input_ids", "attention_mask", "labels"]
     padded = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     if data_args.pack_tokens:
-        train_collator = Seq2SeqPackingCollator(data_args.pack_tokens, tokenizer.pad_token_id,
-                                                model.config.decoder_start_token_id,
-                                                pad_to_multiple_of=training_args.sp_size)
+        train_collator = Seq2SeqPackingCollator(
+            data_args.pack_tokens,
+            tokenizer.pad_token_id,
+            model.config.decoder_start_token_id,
+            pad_to_multiple_of=training_args.sp_size,
+        )
         logger.info("training on packed rows of up to %d tokens per side", data_args.pack_tokens)
     else:
         train_collator = padded
@@ -358,43 +492,66 @@ def main(argv=None):
         training_args.warmup_steps = 100  # the documents' optimizer starts fresh on a model that already translates
     counter = TokenCounter(train_collator)
     tokens_log = RealTokens(counter, offset_minutes=warm)
-    budget = seqpar_hf.TimeBudgetCallback(data_args.max_train_minutes - warm if data_args.max_train_minutes else 0,
-                                          data_args.eval_every_minutes)
+    budget = seqpar_hf.TimeBudgetCallback(
+        data_args.max_train_minutes - warm if data_args.max_train_minutes else 0, data_args.eval_every_minutes
+    )
     trainer = BudgetTrainer(
-        model=model, args=training_args, train_dataset=train.select_columns(columns),
-        eval_dataset=validation.select_columns(columns), processing_class=tokenizer,
-        data_collator=counter, eval_data_collator=padded,
+        model=model,
+        args=training_args,
+        train_dataset=train.select_columns(columns),
+        eval_dataset=validation.select_columns(columns),
+        processing_class=tokenizer,
+        data_collator=counter,
+        eval_data_collator=padded,
         generation_kwargs_fn=generation_kwargs_fn(data_args, tokenizer),
         compute_metrics=make_compute_metrics(tokenizer, validation["fr_refs"], metric),
-        callbacks=[budget, tokens_log])
+        callbacks=[budget, tokens_log],
+    )
     if data_args.lr_decay == "budget" and data_args.max_train_minutes > 0:
         trainer.budget = budget
 
     if warm > 0:
-        trainer.train_steps_before = sentence_warm_start(model, tokenizer, splits["train_sentences"], training_args, warm)
+        trainer.train_steps_before = sentence_warm_start(
+            model, tokenizer, splits["train_sentences"], training_args, warm
+        )
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)
 
     # Test: beam search, each English sentence scored against all its French translations.
     trainer.compute_metrics = make_compute_metrics(tokenizer, test["fr_refs"], metric)
-    output = trainer.predict(test.select_columns(columns), metric_key_prefix="test",
-                             num_beams=data_args.test_num_beams, max_length=max_target)
+    output = trainer.predict(
+        test.select_columns(columns),
+        metric_key_prefix="test",
+        num_beams=data_args.test_num_beams,
+        max_length=max_target,
+    )
     trainer.log_metrics("test", output.metrics)
     if trainer.is_world_process_zero():
         ids = np.where(output.predictions < 0, tokenizer.pad_token_id, output.predictions)
-        hypotheses = translation_data.decode_french(tokenizer, ids[:data_args.num_examples_to_print].tolist())
+        hypotheses = translation_data.decode_french(tokenizer, ids[: data_args.num_examples_to_print].tolist())
         print("\nTest translations:")
         for en, refs, hyp in zip(test["en"], test["fr_refs"], hypotheses):
             print(f"  EN:  {en}\n  REF: {refs[0]}\n  OUT: {hyp}\n")
-        print(f"test BLEU {output.metrics['test_bleu']:.2f} (beam {data_args.test_num_beams}, decoding "
-              f"{output.metrics['test_runtime']:.0f} s); total time {(time.time() - started) / 60:.1f} min")
+        print(
+            f"test BLEU {output.metrics['test_bleu']:.2f} (beam {data_args.test_num_beams}, decoding "
+            f"{output.metrics['test_runtime']:.0f} s); total time {(time.time() - started) / 60:.1f} min"
+        )
         print(f"saved model: {os.path.abspath(training_args.output_dir)}")
-        summary = {"command": sys.argv, "steps": trainer.state.global_step, "real_tokens_per_s": round(tokens_log.rate),
-                   "eval_curve": tokens_log.curve, "test_bleu": output.metrics["test_bleu"],
-                   "test_decoding_s": round(output.metrics["test_runtime"], 1), "test_beams": data_args.test_num_beams,
-                   "wall_minutes": round((time.time() - started) / 60, 2), "sp_size": training_args.sp_size,
-                   "document_sentences": docs, "sentence_warmup_minutes": warm,
-                   "sentence_warmup_steps": getattr(trainer, "train_steps_before", 0), "precision": "bf16" if training_args.bf16 else "fp32"}
+        summary = {
+            "command": sys.argv,
+            "steps": trainer.state.global_step,
+            "real_tokens_per_s": round(tokens_log.rate),
+            "eval_curve": tokens_log.curve,
+            "test_bleu": output.metrics["test_bleu"],
+            "test_decoding_s": round(output.metrics["test_runtime"], 1),
+            "test_beams": data_args.test_num_beams,
+            "wall_minutes": round((time.time() - started) / 60, 2),
+            "sp_size": training_args.sp_size,
+            "document_sentences": docs,
+            "sentence_warmup_minutes": warm,
+            "sentence_warmup_steps": getattr(trainer, "train_steps_before", 0),
+            "precision": "bf16" if training_args.bf16 else "fp32",
+        }
         # what recipes/README.md's demo table and figure are drawn from (recipes/plot_bleu.py)
         Path(training_args.output_dir, "run_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return output.metrics

@@ -49,6 +49,7 @@ def marker(k: int) -> str:
     hundreds of tokens: an anchor per sentence. Special tokens (the last ids): decoding drops them."""
     return f"<s{k}>"
 
+
 # BPE marks the end of a word so that decoding can put the spaces back exactly.
 _END_OF_WORD = "</w>"
 
@@ -193,8 +194,10 @@ def _canonical_ids(backend: Tokenizer) -> Tokenizer:
     state = json.loads(backend.to_str())
     vocab, merges = state["model"]["vocab"], state["model"]["merges"]
     merged = ["".join(m) if isinstance(m, list) else m.replace(" ", "", 1) for m in merges]
-    merged_set, specials = set(merged), [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])
-                                         if t in SPECIAL_TOKENS]
+    merged_set, specials = (
+        set(merged),
+        [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t in SPECIAL_TOKENS],
+    )
     alphabet = sorted(t for t in vocab if t not in merged_set and t not in SPECIAL_TOKENS)
     order = specials + alphabet + list(dict.fromkeys(t for t in merged if t in vocab))
     assert sorted(order) == sorted(vocab), "BPE vocabulary is not its alphabet plus its merges"
@@ -257,10 +260,15 @@ def check_same_tokenizer(tokenizer: PreTrainedTokenizerFast, device) -> None:
         return
     from seqpar_hf.parallel.agree import same_on_every_rank
 
-    same_on_every_rank({"tokenizer sha256": tokenizer_digest(tokenizer)}, dist.group.WORLD, device, "the tokenizer",
-                       "Nodes that each built --data_cache_dir can train different BPE merges: build the cache on "
-                       "one node (any run of the recipe with the same data flags builds it first) and copy it to "
-                       "the others, or put --data_cache_dir on a filesystem every node shares.")
+    same_on_every_rank(
+        {"tokenizer sha256": tokenizer_digest(tokenizer)},
+        dist.group.WORLD,
+        device,
+        "the tokenizer",
+        "Nodes that each built --data_cache_dir can train different BPE merges: build the cache on "
+        "one node (any run of the recipe with the same data flags builds it first) and copy it to "
+        "the others, or put --data_cache_dir on a filesystem every node shares.",
+    )
 
 
 def document_sizes(count: int, n: int, mixed_seed: int | None = None) -> list[int]:
@@ -273,8 +281,9 @@ def document_sizes(count: int, n: int, mixed_seed: int | None = None) -> list[in
     return sizes
 
 
-def join_documents(items: Sequence[dict], n: int, mixed_seed: int | None = None,
-                   separator: bool = False, markers: bool = False) -> list[dict]:
+def join_documents(
+    items: Sequence[dict], n: int, mixed_seed: int | None = None, separator: bool = False, markers: bool = False
+) -> list[dict]:
     """Join every `n` consecutive items into one document (the last one may hold fewer; with `mixed_seed`,
     documents of 1..n items, see `document_sizes`); n=1 is the identity. Document-level translation: one
     long sequence per document, attention across its sentences.
@@ -350,8 +359,9 @@ def build_tokenized_splits(
     for name, items in splits.items():
         if items and "en_tok" not in items[0]:
             items = add_word_tokens(items, num_proc, lowercase)
-        documents = join_documents(items, document_sentences, mixed_seed if name == "train" else None, separator,
-                                   markers)
+        documents = join_documents(
+            items, document_sentences, mixed_seed if name == "train" else None, separator, markers
+        )
         source_ids = _encode(tokenizer, [d["en_tok"] for d in documents], max_source_length)
         split = {
             "input_ids": source_ids,
@@ -367,11 +377,15 @@ def build_tokenized_splits(
             # the same training pairs one per row, for a sentence-level warm start (same tokenizer, same split)
             rng = random.Random(len(items))
             starts = [f"{marker(rng.randint(1, document_sentences))} " if markers else "" for _ in items]
-            columns["train_sentences"] = datasets.Dataset.from_dict({
-                "input_ids": (ids := _encode(tokenizer, [m + d["en_tok"] for m, d in zip(starts, items)],
-                                             SENTENCE_MAX_LENGTH)),
-                "attention_mask": [[1] * len(x) for x in ids],
-                "labels": _encode(tokenizer, [m + d["fr_tok"] for m, d in zip(starts, items)], SENTENCE_MAX_LENGTH)})
+            columns["train_sentences"] = datasets.Dataset.from_dict(
+                {
+                    "input_ids": (
+                        ids := _encode(tokenizer, [m + d["en_tok"] for m, d in zip(starts, items)], SENTENCE_MAX_LENGTH)
+                    ),
+                    "attention_mask": [[1] * len(x) for x in ids],
+                    "labels": _encode(tokenizer, [m + d["fr_tok"] for m, d in zip(starts, items)], SENTENCE_MAX_LENGTH),
+                }
+            )
     return datasets.DatasetDict(columns)
 
 
@@ -496,8 +510,12 @@ def _build_cache_entry(entry: Path, settings: dict, data_path: str | os.PathLike
         # Save before encoding: encoding with truncation leaves max_length in the tokenizer's saved settings.
         tokenizer.save_pretrained(scratch / "tokenizer")
         tokenized = build_tokenized_splits(
-            tokenizer, splits, settings["max_source_length"], settings["max_target_length"],
-            settings["document_sentences"], lowercase=lowercase,
+            tokenizer,
+            splits,
+            settings["max_source_length"],
+            settings["max_target_length"],
+            settings["document_sentences"],
+            lowercase=lowercase,
             mixed_seed=settings["seed"] if settings.get("mixed_documents") else None,
             separator=settings.get("sentence_separator", False),
             markers=settings.get("sentence_markers", False),

@@ -59,14 +59,28 @@ def choose_precision(requested: str, training_args) -> str:
 
 def build_model(model_args, tokenizer, max_length: int) -> MarianMTModel:
     config = MarianConfig(
-        vocab_size=len(tokenizer), decoder_vocab_size=len(tokenizer), share_encoder_decoder_embeddings=True,
-        d_model=model_args.d_model, encoder_layers=model_args.encoder_layers, decoder_layers=model_args.decoder_layers,
-        encoder_attention_heads=model_args.attention_heads, decoder_attention_heads=model_args.attention_heads,
-        encoder_ffn_dim=model_args.ffn_dim, decoder_ffn_dim=model_args.ffn_dim, dropout=model_args.dropout,
-        attention_dropout=model_args.attention_dropout, activation_dropout=0.0, scale_embedding=True,
-        max_position_embeddings=max_length + 2, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-        forced_eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+        vocab_size=len(tokenizer),
+        decoder_vocab_size=len(tokenizer),
+        share_encoder_decoder_embeddings=True,
+        d_model=model_args.d_model,
+        encoder_layers=model_args.encoder_layers,
+        decoder_layers=model_args.decoder_layers,
+        encoder_attention_heads=model_args.attention_heads,
+        decoder_attention_heads=model_args.attention_heads,
+        encoder_ffn_dim=model_args.ffn_dim,
+        decoder_ffn_dim=model_args.ffn_dim,
+        dropout=model_args.dropout,
+        attention_dropout=model_args.attention_dropout,
+        activation_dropout=0.0,
+        scale_embedding=True,
+        max_position_embeddings=max_length + 2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        forced_eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     model = MarianMTModel(config)
     model.set_attn_implementation("sdpa")
     model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]  # never generate <pad> after the start
@@ -80,8 +94,9 @@ class BudgetTrainer(seqpar_hf.SequenceParallelTrainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.budget is not None and self.lr_scheduler is None:
-            self.lr_scheduler = self.budget.schedule(optimizer or self.optimizer,
-                                                     self.args.get_warmup_steps(num_training_steps))
+            self.lr_scheduler = self.budget.schedule(
+                optimizer or self.optimizer, self.args.get_warmup_steps(num_training_steps)
+            )
         return super().create_scheduler(num_training_steps, optimizer)
 
 
@@ -109,9 +124,13 @@ class RealTokens(TrainerCallback):
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if metrics and "eval_bleu" in metrics:
-            self.curve.append({"minutes": round(self.offset + (time.time() - self.start) / 60, 2),
-                               "step": state.global_step,
-                               "eval_bleu": metrics["eval_bleu"]})
+            self.curve.append(
+                {
+                    "minutes": round(self.offset + (time.time() - self.start) / 60, 2),
+                    "step": state.global_step,
+                    "eval_bleu": metrics["eval_bleu"],
+                }
+            )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and state.is_world_process_zero:
@@ -121,8 +140,13 @@ class RealTokens(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.rate = self.counter.tokens / (time.time() - self.start)
         if state.is_world_process_zero:
-            logger.info("training: %d real tokens in %.0f s = %.0f real tokens/s (%d steps)", self.counter.tokens,
-                        time.time() - self.start, self.rate, state.global_step)
+            logger.info(
+                "training: %d real tokens in %.0f s = %.0f real tokens/s (%d steps)",
+                self.counter.tokens,
+                time.time() - self.start,
+                self.rate,
+                state.global_step,
+            )
 
 
 class SourceLengthLimit(LogitsProcessor):
@@ -168,8 +192,11 @@ def generation_kwargs_fn(data_args, tokenizer):
     """Per-batch generate() arguments: the per-sentence length bound from each source's length, and with
     --sentence_markers the markers' order."""
     docs = data_args.document_sentences
-    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)] \
-        if docs > 1 and data_args.sentence_markers else []
+    markers = (
+        [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
+        if docs > 1 and data_args.sentence_markers
+        else []
+    )
 
     def kwargs(inputs: dict) -> dict:
         processors = []
@@ -180,6 +207,7 @@ def generation_kwargs_fn(data_args, tokenizer):
             limits = (data_args.max_length_a * sources).ceil().long() + data_args.max_length_b
             processors.append(SourceLengthLimit(limits, tokenizer.eos_token_id, 1))
         return {"logits_processor": LogitsProcessorList(processors)} if processors else {}
+
     return kwargs
 
 
@@ -189,12 +217,14 @@ def bleu_metric():
 
 def make_compute_metrics(tokenizer, references: list[list[str]], metric):
     """BLEU of detokenized greedy translations against all French references of each sentence."""
+
     def compute_metrics(prediction):
         ids = np.where(prediction.predictions < 0, tokenizer.pad_token_id, prediction.predictions)
         hypotheses = translation_data.decode_french(tokenizer, ids.tolist())
-        result = metric.compute(predictions=hypotheses, references=references[:len(hypotheses)])
+        result = metric.compute(predictions=hypotheses, references=references[: len(hypotheses)])
         logger.info("BLEU %.2f (sacrebleu %s)", result["score"], result["signature"])
         return {"bleu": result["score"]}
+
     return compute_metrics
 
 
@@ -210,12 +240,19 @@ def sentence_warm_start(model, tokenizer, sentences, training_args, minutes: flo
     args = copy.copy(training_args)
     args.per_device_train_batch_size, args.train_sampling_strategy = 96, "random"
     args.eval_strategy, args.lr_scheduler_type, args.warmup_steps = "no", "constant_with_warmup", 300
-    collator = TokenCounter(Seq2SeqPackingCollator(128, tokenizer.pad_token_id, model.config.decoder_start_token_id,
-                                                   pad_to_multiple_of=training_args.sp_size))
+    collator = TokenCounter(
+        Seq2SeqPackingCollator(
+            128, tokenizer.pad_token_id, model.config.decoder_start_token_id, pad_to_multiple_of=training_args.sp_size
+        )
+    )
     trainer = seqpar_hf.SequenceParallelTrainer(
-        model=model, args=args, train_dataset=sentences.select_columns(["input_ids", "attention_mask", "labels"]),
-        data_collator=collator, processing_class=tokenizer,
-        callbacks=[seqpar_hf.TimeBudgetCallback(minutes), RealTokens(collator)])
+        model=model,
+        args=args,
+        train_dataset=sentences.select_columns(["input_ids", "attention_mask", "labels"]),
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=[seqpar_hf.TimeBudgetCallback(minutes), RealTokens(collator)],
+    )
     logger.info("sentence-level warm start: %.1f minutes on %d sentence pairs, then documents", minutes, len(sentences))
     trainer.train()
     return trainer.state.global_step

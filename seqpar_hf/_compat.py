@@ -15,6 +15,7 @@ import torch
 
 def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
@@ -35,6 +36,7 @@ def group_timeout(group):
     """The timeout of a process group's collectives (None: unknown). torch has a public setter
     (`ProcessGroup.set_timeout`) but no getter: read from the backend's options (`Options._timeout`)."""
     import torch.distributed as dist
+
     group = group if group is not None else dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:
@@ -68,8 +70,11 @@ def ring_kernel_ops(device_type: str):
             try:
                 ops = tuple(getattr(torch.ops.aten, n) for n in names)
             except (AttributeError, RuntimeError):
-                warnings.warn(f"seqpar_hf: torch {torch.__version__} has no {names[0]}; ring attention on "
-                              f"{device_type} uses the (slower, exact) math path", stacklevel=2)
+                warnings.warn(
+                    f"seqpar_hf: torch {torch.__version__} has no {names[0]}; ring attention on "
+                    f"{device_type} uses the (slower, exact) math path",
+                    stacklevel=2,
+                )
         _checked[device_type] = ops
     return _checked[device_type]
 
@@ -87,6 +92,7 @@ def varlen_attention():
             import inspect
 
             from torch.nn.attention.varlen import varlen_attn
+
             params = inspect.signature(varlen_attn).parameters
             if "scale" in params and "window_size" in params:
                 fn = varlen_attn
@@ -132,7 +138,8 @@ def original_attention_function(module, implementation: str):
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if implementation == "eager" and eager is None:
         raise NotImplementedError(f"{type(module).__name__}: no eager_attention_forward in its modeling file")
-    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+    # eager is None only for another implementation, which transformers then finds registered (or raises)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)  # type: ignore[arg-type]
 
 
 def prepare_generation_config(model, generation_config, kwargs: dict):
@@ -147,15 +154,22 @@ def seq2seq_gen_kwargs(trainer) -> dict:
     return dict(getattr(trainer, "_gen_kwargs", None) or {})
 
 
-
 # Trainer internals for checkpoints of DTensor models (tensor parallelism, FSDP2): the Trainer's own
 # paths assume DDP / accelerate's FSDP plugin; and for checkpoints written under a temporary name, whose
 # failed writes are reported on every rank, and whose missing weights are an error on resume
 # (training/saving.py: `_save_checkpoint` writes to `_get_output_dir(trial)` / `checkpoint-<step>`).
 # Overridden in SequenceParallelMixin; pinned by name and signature in tests/test_compat.py.
-TRAINER_CHECKPOINT_HOOKS = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint",
-                            "_save", "_save_checkpoint", "_get_output_dir", "_save_scaler", "_save_rng_state",
-                            "_issue_warnings_after_load")
+TRAINER_CHECKPOINT_HOOKS = (
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_save",
+    "_save_checkpoint",
+    "_get_output_dir",
+    "_save_scaler",
+    "_save_rng_state",
+    "_issue_warnings_after_load",
+)
 OPTIMIZER_NAME, SCHEDULER_NAME, SAFE_WEIGHTS_NAME = "optimizer.pt", "scheduler.pt", "model.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"
 

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-import pytest  # noqa: E402
+import pytest
 
 # Tier 2 (`multiprocess`): tests that start processes, through the `spawned` fixture (gloo groups) or
 # themselves (torchrun, accelerate launch, one-process references). Tier 1 is the rest:
@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
 def spawned(tmp_path_factory):
     """`spawned(group, ranks)`: every rank's result of that group (tests/worlds.py), spawned once."""
     from . import worlds
+
     cache = {}
 
     def get(group: str, ranks: int):
@@ -38,4 +39,5 @@ def spawned(tmp_path_factory):
                 pytest.importorskip("peft")
             cache[group, ranks] = worlds.run(group, ranks, *args)
         return cache[group, ranks]
+
     return get

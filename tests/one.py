@@ -17,21 +17,29 @@ import subprocess
 import sys
 
 # group module in tests/runs -> the test that asserts one of its cases, at world size w
-TESTS = {"parity": {"*": "tests/test_parity_gloo.py::test_parity[w{world}-{name}]"},
-         "packing": {1: "tests/test_packing_gloo.py::test_packed_rows_are_exact_at_sp1[{name}]",
-                     "*": "tests/test_packing_gloo.py::test_packed_rows_are_exact[{name}]"},
-         "tp": {"*": "tests/test_tp_gloo.py::test_tensor_parallel_parity[{name}]"}}
+TESTS = {
+    "parity": {"*": "tests/test_parity_gloo.py::test_parity[w{world}-{name}]"},
+    "packing": {
+        1: "tests/test_packing_gloo.py::test_packed_rows_are_exact_at_sp1[{name}]",
+        "*": "tests/test_packing_gloo.py::test_packed_rows_are_exact[{name}]",
+    },
+    "tp": {"*": "tests/test_tp_gloo.py::test_tensor_parallel_parity[{name}]"},
+}
 
 
 def cases() -> list[tuple[str, str, int, str]]:
     """(name, group, world size, pytest node id) of every case that has a test of its own."""
     from .runs import packing, parity, tp
+
     out = []
     for group, module in (("parity", parity), ("packing", packing), ("tp", tp)):
         for world, listed in module.CASES.items():
             node = TESTS[group].get(world, TESTS[group]["*"])
-            out += [(c["name"], group, world, node.format(world=world, name=c["name"])) for c in listed
-                    if not c.get("refused")]  # refused cases are asserted by their group's refusal tests
+            out += [
+                (c["name"], group, world, node.format(world=world, name=c["name"]))
+                for c in listed
+                if not c.get("refused")
+            ]  # refused cases are asserted by their group's refusal tests
     return out
 
 
@@ -47,8 +55,9 @@ def main(argv=None) -> int:
     nodes = [node for name, _, _, node in known if name == args.name]
     if not nodes:
         parser.error(f"no case named {args.name!r}; `python -m tests.one --list` lists them")
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", *nodes, *pytest_args],
-                           env={**os.environ, "SEQPAR_CASES": args.name})
+    return subprocess.call(
+        [sys.executable, "-m", "pytest", "-q", *nodes, *pytest_args], env={**os.environ, "SEQPAR_CASES": args.name}
+    )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ def test_second_layout_is_refused():
 
 def test_t5_is_refused_with_the_supported_families():
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
-    with pytest.raises(ValueError, match="T5ForConditionalGeneration.*relative position bias.*rotary or absolute positions"):
+    with pytest.raises(
+        ValueError, match="T5ForConditionalGeneration.*relative position bias.*rotary or absolute positions"
+    ):
         seqpar_hf.patch_model(t5, seqpar_hf.ParallelLayout(sp_size=1))
 
 

@@ -56,11 +56,15 @@ def test_other_processes_and_a_level_set_by_the_application_are_kept(monkeypatch
 
 def test_patch_and_first_forward_are_logged_once_on_rank_0(spawned):
     rank0, rank1 = (r["announce"] for r in spawned("misc", 2))
-    assert rank0["after_patch"] == ["LlamaForCausalLM is sequence-parallel: sp=2 (ulysses 2 x ring 1), tp=1, dp=1, "
-                                    "over 2 ranks; mode ulysses"]
-    assert rank0["after_forwards"][1:] == ["first forward: decoder 11 tokens padded to 12, 6 per rank (sp=2; logged "
-                                           "once, later batches differ)"]
+    assert rank0["after_patch"] == [
+        "LlamaForCausalLM is sequence-parallel: sp=2 (ulysses 2 x ring 1), tp=1, dp=1, over 2 ranks; mode ulysses"
+    ]
+    assert rank0["after_forwards"][1:] == [
+        "first forward: decoder 11 tokens padded to 12, 6 per rank (sp=2; logged once, later batches differ)"
+    ]
     [auto] = rank0["auto"]
-    assert auto.startswith("LlamaForCausalLM is sequence-parallel: sp=2 (ulysses 2 x ring 1), tp=1, dp=1, over 2 "
-                           "ranks; mode ulysses, chosen by mode='auto' (sp=2, "), auto
+    assert auto.startswith(
+        "LlamaForCausalLM is sequence-parallel: sp=2 (ulysses 2 x ring 1), tp=1, dp=1, over 2 "
+        "ranks; mode ulysses, chosen by mode='auto' (sp=2, "
+    ), auto
     assert rank1 == {"after_patch": [], "after_forwards": [], "auto": []}

@@ -38,7 +38,7 @@ def test_time_budget_of_zero_means_no_limit():
     callback = seqpar_hf.TimeBudgetCallback(minutes=0)
     args, state, control = SimpleNamespace(device="cpu", eval_strategy="no"), TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control)
-    callback.start = time.time() - 10 ** 6
+    callback.start = time.time() - 10**6
     callback.on_step_end(args, state, control)
     assert not control.should_training_stop
 

@@ -22,20 +22,39 @@ from .runs.trainer import make_trainer
 
 def test_tied_and_ignored_weights_are_not_missing():
     model = build_model("marian")
-    tied_or_ignored = ["model.encoder.embed_tokens.weight", "model.encoder.embed_positions.weight",
-                       "model.decoder.embed_tokens.weight", "model.decoder.embed_positions.weight", "lm_head.weight"]
+    tied_or_ignored = [
+        "model.encoder.embed_tokens.weight",
+        "model.encoder.embed_positions.weight",
+        "model.decoder.embed_tokens.weight",
+        "model.decoder.embed_positions.weight",
+        "lm_head.weight",
+    ]
     assert unexplained_missing(model, tied_or_ignored) == []
-    assert unexplained_missing(model, ["model.shared.weight", "lm_head.weight", "model.encoder.embed_tokens.weight",
-                                       "model.decoder.embed_tokens.weight"]) == \
-        ["model.shared.weight", "lm_head.weight", "model.encoder.embed_tokens.weight",
-         "model.decoder.embed_tokens.weight"]  # the embedding itself is gone: all its names are missing
+    assert unexplained_missing(
+        model,
+        [
+            "model.shared.weight",
+            "lm_head.weight",
+            "model.encoder.embed_tokens.weight",
+            "model.decoder.embed_tokens.weight",
+        ],
+    ) == [
+        "model.shared.weight",
+        "lm_head.weight",
+        "model.encoder.embed_tokens.weight",
+        "model.decoder.embed_tokens.weight",
+    ]  # the embedding itself is gone: all its names are missing
     assert unexplained_missing(model, ["model.decoder.layers.0.fc1.bias"]) == ["model.decoder.layers.0.fc1.bias"]
 
 
 @pytest.fixture
 def trainer(tmp_path):
-    trainer, _ = make_trainer(sp=1, steps=4, output_dir=str(tmp_path / "run"),
-                              extra=dict(save_strategy="steps", save_steps=1, save_total_limit=2, eval_strategy="no"))
+    trainer, _ = make_trainer(
+        sp=1,
+        steps=4,
+        output_dir=str(tmp_path / "run"),
+        extra=dict(save_strategy="steps", save_steps=1, save_total_limit=2, eval_strategy="no"),
+    )
     trainer.create_optimizer_and_scheduler(num_training_steps=4)
     return trainer
 
@@ -66,6 +85,7 @@ def test_a_failed_write_leaves_nothing_to_resume_from(trainer, monkeypatch):
 
     def no_space(*args, **kwargs):
         raise NO_SPACE
+
     monkeypatch.setattr(torch, "save", no_space)  # the optimizer: after the model was written
     with pytest.raises(OSError, match="No space left on device"):
         _save(trainer, 2)
@@ -84,21 +104,29 @@ def test_a_killed_save_is_invisible_and_cleaned_by_the_next(trainer):
 
 def test_resuming_from_a_checkpoint_missing_a_weight_raises(trainer):
     from safetensors.torch import load_file, save_file
+
     _save(trainer, 1)
     path = os.path.join(trainer.args.output_dir, "checkpoint-1")
     trainer._load_from_checkpoint(path)  # tied and ignored weights are not missing: no error, no warning
     weights = load_file(os.path.join(path, "model.safetensors"))
     weights.pop("model.decoder.layers.0.fc1.bias")
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(RuntimeError, match=r"checkpoint-1 misses 1 weight\(s\) of the model: "
-                                           r"\['model.decoder.layers.0.fc1.bias'\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"checkpoint-1 misses 1 weight\(s\) of the model: "
+        r"\['model.decoder.layers.0.fc1.bias'\]",
+    ):
         trainer._load_from_checkpoint(path)
 
 
 def test_a_timeout_says_that_ranks_disagreed():
     from seqpar_hf.parallel.agree import explain_timeout
-    with pytest.raises(RuntimeError, match=r"rank 0 timed out in a test: the other ranks of its group never joined "
-                                           r".*disagreed.*Timed out waiting 2000ms"):
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 0 timed out in a test: the other ranks of its group never joined "
+        r".*disagreed.*Timed out waiting 2000ms",
+    ):
         with explain_timeout("in a test"):
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 2000ms for recv")
     with pytest.raises(RuntimeError, match="^something else$"):
@@ -111,6 +139,7 @@ def test_init_process_group_sets_the_timeout_every_layout_group_gets(tmp_path, m
 
     import seqpar_hf
     from seqpar_hf import _compat
+
     with pytest.raises(ValueError, match="timeout must be positive"):
         seqpar_hf.init_process_group("gloo", timeout=0)
     store = dist.FileStore(str(tmp_path / "store"), 1)
@@ -123,7 +152,6 @@ def test_init_process_group_sets_the_timeout_every_layout_group_gets(tmp_path, m
             seqpar_hf.ParallelLayout(sp_size=1, timeout=-1)
     finally:
         dist.destroy_process_group()
-
 
 
 def test_load_best_model_at_end_finds_the_published_checkpoint(trainer):
@@ -139,6 +167,7 @@ def test_load_best_model_at_end_finds_the_published_checkpoint(trainer):
 
 # ---- resuming: unreadable files, a missing optimizer, optimizer state written at another layout ---------
 
+
 def test_resuming_from_a_truncated_file_names_the_file_and_the_fix(trainer):
     """safetensors, json and torch would say "incomplete metadata", "Unterminated string", "[Errno 22] Invalid
     argument", naming neither the file nor what to do."""
@@ -148,11 +177,14 @@ def test_resuming_from_a_truncated_file_names_the_file_and_the_fix(trainer):
         with open(os.path.join(path, name), "rb") as f:
             data = f.read()
         with open(os.path.join(path, name), "wb") as f:
-            f.write(data[:len(data) // 2])
-        with pytest.raises(ValueError, match=rf"^.*checkpoint-1/{name} cannot be read \(\w+: .*\): the file is "
-                                             rf"truncated or corrupt .* Resume from an earlier checkpoint, or delete "
-                                             r".*checkpoint-1 \(resume_from_checkpoint=True then takes the one before "
-                                             r"it\)$"):
+            f.write(data[: len(data) // 2])
+        with pytest.raises(
+            ValueError,
+            match=rf"^.*checkpoint-1/{name} cannot be read \(\w+: .*\): the file is "
+            rf"truncated or corrupt .* Resume from an earlier checkpoint, or delete "
+            r".*checkpoint-1 \(resume_from_checkpoint=True then takes the one before "
+            r"it\)$",
+        ):
             trainer.train(resume_from_checkpoint=path)
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
@@ -163,8 +195,11 @@ def test_resuming_without_the_optimizer_state_warns_that_it_starts_fresh(trainer
     _save(trainer, 4)  # the last step (max_steps=4): the resume loads everything and trains no further step
     path = os.path.join(trainer.args.output_dir, "checkpoint-4")
     os.remove(os.path.join(path, "optimizer.pt"))
-    with pytest.warns(UserWarning, match=r"checkpoint-4 has no optimizer.pt: the optimizer and the learning-rate "
-                                         r"scheduler start fresh .* while training resumes at step 4\."):
+    with pytest.warns(
+        UserWarning,
+        match=r"checkpoint-4 has no optimizer.pt: the optimizer and the learning-rate "
+        r"scheduler start fresh .* while training resumes at step 4\.",
+    ):
         trainer.train(resume_from_checkpoint=path)
     assert trainer.state.global_step >= 4  # training went on, from the checkpoint's step
 
@@ -192,10 +227,14 @@ def test_optimizer_state_follows_its_parameters_into_other_groups(trainer):
 
     saved, saved_schedule = trainer.optimizer, trainer.lr_scheduler
     decay, no_decay = saved.param_groups
-    trainer.optimizer = torch.optim.AdamW([  # a fresh optimizer, its decayed parameters split in two groups
-        {"params": decay["params"][:1], "weight_decay": decay["weight_decay"]},
-        {"params": decay["params"][1:], "weight_decay": decay["weight_decay"]},
-        {"params": no_decay["params"], "weight_decay": no_decay["weight_decay"]}], lr=trainer.args.learning_rate)
+    trainer.optimizer = torch.optim.AdamW(
+        [  # a fresh optimizer, its decayed parameters split in two groups
+            {"params": decay["params"][:1], "weight_decay": decay["weight_decay"]},
+            {"params": decay["params"][1:], "weight_decay": decay["weight_decay"]},
+            {"params": no_decay["params"], "weight_decay": no_decay["weight_decay"]},
+        ],
+        lr=trainer.args.learning_rate,
+    )
     trainer.lr_scheduler = None
     trainer.create_scheduler(num_training_steps=4, optimizer=trainer.optimizer)
     trainer._load_optimizer_and_scheduler(path)
@@ -221,11 +260,14 @@ def test_numbered_optimizer_state_without_names_is_refused_at_a_sharded_layout(t
     path = os.path.join(trainer.args.output_dir, "checkpoint-1")
     os.remove(os.path.join(path, "seqpar_layout.json"))
     here = {**resume.describe(trainer.layout, trainer.model), "tp_size": 2, "optimizer_keys": "names"}
-    with pytest.raises(ValueError, match=r"checkpoint-1/optimizer.pt was written at another layout and this run is at "
-                                         r"sp_size=1, tp_size=2, dp_size=1: it numbers the parameters .* without "
-                                         r"recording their names.* Resume at the layout it was written at \(tp_size=1 "
-                                         r"without FSDP\) or from a checkpoint written at this one; a checkpoint saved "
-                                         "there records the names and resumes at any layout$"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-1/optimizer.pt was written at another layout and this run is at "
+        r"sp_size=1, tp_size=2, dp_size=1: it numbers the parameters .* without "
+        r"recording their names.* Resume at the layout it was written at \(tp_size=1 "
+        r"without FSDP\) or from a checkpoint written at this one; a checkpoint saved "
+        "there records the names and resumes at any layout$",
+    ):
         resume.check(path, here)
 
 
@@ -234,18 +276,29 @@ def test_optimizer_state_that_cannot_move_exactly_is_refused():
     per-group values must match the saved groups."""
     from seqpar_hf.training import resume
 
-    saved = {"state": {}, "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": ["a", "b"]},
-                                           {"lr": 1e-3, "weight_decay": 0.0, "params": ["c"]}]}
+    saved = {
+        "state": {},
+        "param_groups": [
+            {"lr": 1e-3, "weight_decay": 0.1, "params": ["a", "b"]},
+            {"lr": 1e-3, "weight_decay": 0.0, "params": ["c"]},
+        ],
+    }
     args = ("ckpt/optimizer.pt", dict(sp_size=2, tp_size=1, dp_size=1), dict(sp_size=1, tp_size=2, dp_size=1))
     assert resume.group_sources(saved, [["a"], ["b"], ["c"]], *args) == [0, 0, 1]
-    with pytest.raises(ValueError, match=r"^ckpt/optimizer.pt was written at sp_size=2, tp_size=1, dp_size=1 and this "
-                                         r"run is at sp_size=1, tp_size=2, dp_size=1: it holds parameter groups \[0, 1\] "
-                                         r"with different settings .* that this run puts in one group\. Resume at the "
-                                         r"layout it was written at \(sp_size=2, tp_size=1, dp_size=1\) or from a "
-                                         "checkpoint written at this one$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ckpt/optimizer.pt was written at sp_size=2, tp_size=1, dp_size=1 and this "
+        r"run is at sp_size=1, tp_size=2, dp_size=1: it holds parameter groups \[0, 1\] "
+        r"with different settings .* that this run puts in one group\. Resume at the "
+        r"layout it was written at \(sp_size=2, tp_size=1, dp_size=1\) or from a "
+        "checkpoint written at this one$",
+    ):
         resume.group_sources(saved, [["a", "c"], ["b"]], *args)
-    with pytest.raises(ValueError, match=r"it has no state for 1 parameter\(s\) of this model \(\['d'\]\): it was "
-                                         "written for another model"):
+    with pytest.raises(
+        ValueError,
+        match=r"it has no state for 1 parameter\(s\) of this model \(\['d'\]\): it was "
+        "written for another model",
+    ):
         resume.group_sources(saved, [["a", "b"], ["c", "d"]], *args)
     with pytest.raises(ValueError, match="it comes with a scheduler whose base_lrs has 3 entries for 2 groups"):
         resume.regroup_scheduler({"base_lrs": [1.0, 1.0, 1.0]}, [0, 0, 1], 2, *args)

@@ -18,6 +18,7 @@ from .helpers.models import relative_error
 
 def test_torch_device_mesh_flatten():
     from torch.distributed.device_mesh import DeviceMesh
+
     assert "mesh_dim_name" in inspect.signature(DeviceMesh._flatten).parameters
 
 
@@ -36,6 +37,7 @@ def test_torch_process_group_timeout_getter_and_setter(tmp_path):
     from datetime import timedelta
 
     import torch.distributed as dist
+
     assert hasattr(dist.ProcessGroup, "set_timeout")
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=42))
@@ -66,8 +68,9 @@ def test_accelerate_marks_and_registers_prepared_loaders():
     loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(4)), batch_size=2))
     assert _compat.is_prepared_data_loader(loader)  # Accelerator.prepare marks what it prepared
     assert loader in accelerator._dataloaders
-    other = prepare_data_loader(torch.utils.data.DataLoader(list(range(4)), batch_size=2), torch.device("cpu"),
-                                num_processes=1, process_index=0)
+    other = prepare_data_loader(
+        torch.utils.data.DataLoader(list(range(4)), batch_size=2), torch.device("cpu"), num_processes=1, process_index=0
+    )
     _compat.register_data_loader(accelerator, other)
     assert other in accelerator._dataloaders
 
@@ -82,14 +85,21 @@ def test_transformers_trainer_hooks_we_override_or_read():
     assert "model_accepts_loss_kwargs" in source  # documented attributes we set
     # transformers >= 5.2x reads loss_is_scaled_for_ga; 5.17 skips the division by the accumulation
     # steps when model_accepts_loss_kwargs is set (and num_items_in_batch given), which we also set
-    assert "loss_is_scaled_for_ga" in source or "not self.model_accepts_loss_kwargs or num_items_in_batch is None" in source
-    signatures = {"_save_optimizer_and_scheduler": ["self", "output_dir"],
-                  "_load_optimizer_and_scheduler": ["self", "checkpoint"],
-                  "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
-                  "_save": ["self", "output_dir", "state_dict"],
-                  "_save_checkpoint": ["self", "model", "trial"], "_get_output_dir": ["self", "trial"],
-                  "_save_scaler": ["self", "output_dir"], "_save_rng_state": ["self", "output_dir"],
-                  "_issue_warnings_after_load": ["self", "load_result"]}
+    assert (
+        "loss_is_scaled_for_ga" in source
+        or "not self.model_accepts_loss_kwargs or num_items_in_batch is None" in source
+    )
+    signatures = {
+        "_save_optimizer_and_scheduler": ["self", "output_dir"],
+        "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+        "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+        "_save": ["self", "output_dir", "state_dict"],
+        "_save_checkpoint": ["self", "model", "trial"],
+        "_get_output_dir": ["self", "trial"],
+        "_save_scaler": ["self", "output_dir"],
+        "_save_rng_state": ["self", "output_dir"],
+        "_issue_warnings_after_load": ["self", "load_result"],
+    }
     assert set(signatures) == set(_compat.TRAINER_CHECKPOINT_HOOKS)
     for name, params in signatures.items():
         assert list(inspect.signature(getattr(Trainer, name)).parameters) == params, name
@@ -97,14 +107,19 @@ def test_transformers_trainer_hooks_we_override_or_read():
     assert list(inspect.signature(Trainer._clip_grad_norm).parameters) == ["self", "model"]
     assert list(inspect.signature(Trainer._get_grad_norm).parameters) == ["self", "model", "grad_norm"]
     import transformers.trainer as trainer_module
+
     for name in ("OPTIMIZER_NAME", "SCHEDULER_NAME", "SAFE_WEIGHTS_NAME", "TRAINER_STATE_NAME"):
         assert getattr(trainer_module, name) == getattr(_compat, name), name
     # training/saving.py points the Trainer's own _save_checkpoint at a temporary folder through
     # _get_output_dir, and defers the failed writes of the hooks it calls
     save = inspect.getsource(Trainer._save_checkpoint)
     assert "run_dir = self._get_output_dir(trial=trial)" in save and "os.path.join(run_dir, checkpoint_folder)" in save
-    for call in ("self.save_model(output_dir, _internal_call=True)", "self._save_optimizer_and_scheduler(output_dir)",
-                 "self._save_scaler(output_dir)", "self._save_rng_state(output_dir)"):
+    for call in (
+        "self.save_model(output_dir, _internal_call=True)",
+        "self._save_optimizer_and_scheduler(output_dir)",
+        "self._save_scaler(output_dir)",
+        "self._save_rng_state(output_dir)",
+    ):
         assert call in save, call
     assert "self._issue_warnings_after_load(load_result)" in inspect.getsource(Trainer._load_from_checkpoint)
 
@@ -119,12 +134,12 @@ def test_cpu_block_kernels_match_the_math(causal, masked, d_v):
         allowed = torch.rand(2, 1, 16, 16) > 0.3
         allowed[..., 0] = True  # every row sees a key
         bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    out, lse = kernels.block_forward(q, k, v, bias, causal, 8 ** -0.5)
-    ref_out, ref_lse = kernels.math_forward(q, k, v, bias, causal, 8 ** -0.5)
+    out, lse = kernels.block_forward(q, k, v, bias, causal, 8**-0.5)
+    ref_out, ref_lse = kernels.math_forward(q, k, v, bias, causal, 8**-0.5)
     assert relative_error(out, ref_out) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
     dout = torch.randn_like(out)
-    grads = kernels.block_backward(dout, q, k, v, out, lse, bias, causal, 8 ** -0.5)
-    ref = kernels.math_backward(dout, q, k, v, ref_out, ref_lse, bias, causal, 8 ** -0.5)
+    grads = kernels.block_backward(dout, q, k, v, out, lse, bias, causal, 8**-0.5)
+    ref = kernels.math_backward(dout, q, k, v, ref_out, ref_lse, bias, causal, 8**-0.5)
     for g, r in zip(grads, ref):
         assert relative_error(g, r) < 1e-5
 
@@ -158,6 +173,7 @@ def test_tied_embedding_plan_entry_of_transformers_5_17_is_ours_to_parallelise()
 
 def test_transformers_config_attention_implementation_reads_back():
     from .helpers.models import build_model
+
     model = build_model("llama")
     model.set_attn_implementation("eager")
     assert _compat.attn_implementation(model.config) == "eager"
@@ -175,18 +191,34 @@ def test_transformers_generation_internals_for_generation_under_sp():
     from .helpers.models import build_model
 
     assert list(inspect.signature(LlamaForCausalLM._prepare_generation_config).parameters) == [
-        "self", "generation_config", "kwargs"]
+        "self",
+        "generation_config",
+        "kwargs",
+    ]
     config, rest = _compat.prepare_generation_config(build_model("llama"), None, {"max_new_tokens": 3, "foo": 1})
     assert isinstance(config, GenerationConfig) and config.max_new_tokens == 3 and rest == {"foo": 1}
-    for name in ("marian.modeling_marian", "bart.modeling_bart", "m2m_100.modeling_m2m_100", "llama.modeling_llama",
-                 "mistral.modeling_mistral", "qwen2.modeling_qwen2"):
+    for name in (
+        "marian.modeling_marian",
+        "bart.modeling_bart",
+        "m2m_100.modeling_m2m_100",
+        "llama.modeling_llama",
+        "mistral.modeling_mistral",
+        "qwen2.modeling_qwen2",
+    ):
         assert callable(importlib.import_module(f"transformers.models.{name}").eager_attention_forward), name
     model = build_model("marian")
-    assert _compat.original_attention_function(model.model.decoder.layers[0].self_attn, "eager").__module__ \
+    assert (
+        _compat.original_attention_function(model.model.decoder.layers[0].self_attn, "eager").__module__
         == "transformers.models.marian.modeling_marian"
+    )
     assert {"update", "get_seq_length", "get_mask_sizes", "reorder_cache"} <= set(vars(Cache))
-    assert CacheLayerMixin.__abstractmethods__ <= {"lazy_initialization", "update", "get_mask_sizes", "get_seq_length",
-                                                   "get_max_length"}
+    assert CacheLayerMixin.__abstractmethods__ <= {
+        "lazy_initialization",
+        "update",
+        "get_mask_sizes",
+        "get_seq_length",
+        "get_max_length",
+    }
     assert "layers" in inspect.signature(Cache.__init__).parameters
 
 
@@ -195,11 +227,17 @@ def test_trl_grpo_hooks_the_rl_trainers_override():
     group's rows for the loss): their names and leading parameters."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer, RLOOTrainer
+
     for trainer in (GRPOTrainer, RLOOTrainer):
         assert list(inspect.signature(trainer._generate_and_score_completions).parameters)[:2] == ["self", "inputs"]
         assert list(inspect.signature(trainer._generate_single_turn).parameters)[:2] == ["self", "prompt_ids"]
-        assert list(inspect.signature(trainer._get_per_token_logps_and_entropies).parameters)[:5] == \
-            ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+        assert list(inspect.signature(trainer._get_per_token_logps_and_entropies).parameters)[:5] == [
+            "self",
+            "model",
+            "input_ids",
+            "attention_mask",
+            "logits_to_keep",
+        ]
         assert hasattr(trainer, "_get_eval_sampler")
         assert "self._tokenizer = processing_class" in inspect.getsource(trainer.__init__)  # _compat.trl_tokenizer
 

@@ -29,6 +29,7 @@ def results(spawned):
                     cases.setdefault(case["name"], []).append(case)
             cache[size] = {"cases": cases, "ranks": ranks}
         return cache[size]
+
     return get
 
 
@@ -54,29 +55,43 @@ def _refusals(results):
     return [rank["refusals"] for rank in results(2)["ranks"]]
 
 
-@pytest.mark.parametrize("what,pattern", [
-    ("prompt_lookup", "NotImplementedError: generate under sequence parallelism: generation mode "
-                      "'assisted_generation'"),
-    ("static_cache", "cache_implementation='static'"),
-    ("output_attentions", "output_attentions is not available under sequence parallelism"),
-    ("no_cache", "use_cache=False is not supported"),
-    ("inputs_embeds", "inputs_embeds are not supported; pass input_ids"),
-    ("position_ids", "position_ids are not supported \\(packed prompts\\)"),
-    ("encoder_outputs", "encoder_outputs are not supported"),
-    ("training", "training mode .* model.eval\\(\\)"),
-    ("different_inputs", "ValueError: ranks of one sequence-parallel group called generate with different inputs or "
-                         "settings \\(input_ids values differ"),
-    ("different_settings", "generation settings differ: generation_config.max_new_tokens \\[3, 4\\], "
-                           "max_new_tokens \\[3, 4\\]"),
-    ("one_rank_refuses", "refused on ranks \\[0\\] only"),
-    ("different_seeds", "random generators' states differ .* torch.manual_seed"),
-    # tuple keys: compared by a canonical encoding (was a TypeError from json on every rank)
-    ("different_sequence_bias", "generation settings differ: generation_config.sequence_bias .*sequence_bias"),
-    ("source_past_positions", "IndexError: input_ids has 200 tokens .* holds positions 0..127: the sequence is longer "
-                              "than the model's position table"),
-])
+@pytest.mark.parametrize(
+    "what,pattern",
+    [
+        (
+            "prompt_lookup",
+            "NotImplementedError: generate under sequence parallelism: generation mode 'assisted_generation'",
+        ),
+        ("static_cache", "cache_implementation='static'"),
+        ("output_attentions", "output_attentions is not available under sequence parallelism"),
+        ("no_cache", "use_cache=False is not supported"),
+        ("inputs_embeds", "inputs_embeds are not supported; pass input_ids"),
+        ("position_ids", "position_ids are not supported \\(packed prompts\\)"),
+        ("encoder_outputs", "encoder_outputs are not supported"),
+        ("training", "training mode .* model.eval\\(\\)"),
+        (
+            "different_inputs",
+            "ValueError: ranks of one sequence-parallel group called generate with different inputs or "
+            "settings \\(input_ids values differ",
+        ),
+        (
+            "different_settings",
+            "generation settings differ: generation_config.max_new_tokens \\[3, 4\\], max_new_tokens \\[3, 4\\]",
+        ),
+        ("one_rank_refuses", "refused on ranks \\[0\\] only"),
+        ("different_seeds", "random generators' states differ .* torch.manual_seed"),
+        # tuple keys: compared by a canonical encoding (was a TypeError from json on every rank)
+        ("different_sequence_bias", "generation settings differ: generation_config.sequence_bias .*sequence_bias"),
+        (
+            "source_past_positions",
+            "IndexError: input_ids has 200 tokens .* holds positions 0..127: the sequence is longer "
+            "than the model's position table",
+        ),
+    ],
+)
 def test_refusals_and_disagreements_raise_on_every_rank(results, what, pattern):
     import re
+
     for rank in _refusals(results):
         assert re.search(pattern, rank[what]), rank[what]
         assert "sp_disabled" in rank[what] or what.startswith(("different", "one_rank", "source")), rank[what]

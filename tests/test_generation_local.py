@@ -22,8 +22,9 @@ def _merged(q, k, v, allowed, shards):
     """Attention over `shards` key blocks merged in order, as merge_over_group does across ranks."""
     out = lse = None
     for cols in shards:
-        o, s = decode.local_attention(q, k[:, :, cols], v[:, :, cols], None if allowed is None else allowed[..., cols],
-                                      q.shape[-1] ** -0.5)
+        o, s = decode.local_attention(
+            q, k[:, :, cols], v[:, :, cols], None if allowed is None else allowed[..., cols], q.shape[-1] ** -0.5
+        )
         out, lse = (o, s) if out is None else kernels.merge(out, lse, o, s)
     return out
 
@@ -32,15 +33,18 @@ def _merged(q, k, v, allowed, shards):
 def test_sharded_keys_merged_by_lse_equal_one_softmax(heads, kv_heads, d_v):
     g = torch.Generator().manual_seed(0)
     b, s_q, n, d = 3, 2, 13, 8
-    q, k, v = torch.randn(b, heads, s_q, d, generator=g), torch.randn(b, kv_heads, n, d, generator=g), \
-        torch.randn(b, kv_heads, n, d_v, generator=g)
+    q, k, v = (
+        torch.randn(b, heads, s_q, d, generator=g),
+        torch.randn(b, kv_heads, n, d, generator=g),
+        torch.randn(b, kv_heads, n, d_v, generator=g),
+    )
     allowed = torch.rand(b, 1, s_q, n, generator=g) > 0.3
     allowed[1, :, :, :7] = False  # row 1: the first shards see no key of it
     allowed[:, :, :, 0] = True
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
     shards = [slice(0, 4), slice(4, 7), slice(7, 13)]  # uneven shards, one all-masked for row 1
     assert relative_error(_merged(q, k, v, allowed, shards), want) < 1e-6
-    assert relative_error(decode.attention(q, k, v, allowed, d ** -0.5, None), want) < 1e-6  # a group of one
+    assert relative_error(decode.attention(q, k, v, allowed, d**-0.5, None), want) < 1e-6  # a group of one
 
 
 def test_sharded_cache_indices_round_robin_eviction_and_beams():
@@ -116,8 +120,10 @@ def test_a_kv_shared_layer_reads_the_shard_its_keys_come_from():
     with pytest.raises(NotImplementedError, match="layer 1 stores no K/V and attends over keys that are no layer's"):
         cache.reader(1, keys.clone(), None)
     owner.set_window(3)
-    with pytest.raises(NotImplementedError, match="layer 1 stores no K/V and reads the cache of a layer with sliding "
-                                                  "window 3, with window None"):
+    with pytest.raises(
+        NotImplementedError,
+        match="layer 1 stores no K/V and reads the cache of a layer with sliding window 3, with window None",
+    ):
         cache.reader(1, keys, None)
     for _ in range(EVICT_EVERY + 2):
         new = torch.randn(1, 1, 1, 4)
@@ -141,11 +147,17 @@ def test_generation_settings_encode_canonically():
     from seqpar_hf.models.generation.generation_check import settings_text
 
     def settings(bias, start, banned=(3, 1, 2), tensor=(5, 6)):
-        return {"sequence_bias": bias, "generation_config.sequence_bias": bias, "bad_words_ids": [[5, 6]],
-                "nested": [torch.tensor(tensor)], "banned": set(banned), "dtype": torch.bfloat16,
-                "logits_processor": LogitsProcessorList([SuppressTokensLogitsProcessor([5])]),
-                "stopping_criteria": StoppingCriteriaList([MaxTimeCriteria(60.0, initial_timestamp=start)]),
-                "prefix_allowed_tokens_fn": _allowed_tokens}
+        return {
+            "sequence_bias": bias,
+            "generation_config.sequence_bias": bias,
+            "bad_words_ids": [[5, 6]],
+            "nested": [torch.tensor(tensor)],
+            "banned": set(banned),
+            "dtype": torch.bfloat16,
+            "logits_processor": LogitsProcessorList([SuppressTokensLogitsProcessor([5])]),
+            "stopping_criteria": StoppingCriteriaList([MaxTimeCriteria(60.0, initial_timestamp=start)]),
+            "prefix_allowed_tokens_fn": _allowed_tokens,
+        }
 
     one = settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0))
     assert one == settings_text(settings({(7, 8): -3.0, (11,): 5.0}, 2.0, banned=(2, 1, 3)))

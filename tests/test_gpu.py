@@ -9,15 +9,26 @@ import pytest
 import torch
 
 import seqpar_hf
-from seqpar_hf.attention.kernels import block_backward, block_forward, math_backward as _math_backward, math_forward as _math_forward
+from seqpar_hf.attention.kernels import block_backward, block_forward
+from seqpar_hf.attention.kernels import math_backward as _math_backward
+from seqpar_hf.attention.kernels import math_forward as _math_forward
 
 from .helpers.models import build_model, make_batch, relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("causal,masked,s_k,d_v", [(False, False, 64, 32), (True, False, 64, 32), (False, True, 61, 32),
-                                                   (True, True, 64, 32), (True, True, 64, 16), (False, True, 61, 48)])
+@pytest.mark.parametrize(
+    "causal,masked,s_k,d_v",
+    [
+        (False, False, 64, 32),
+        (True, False, 64, 32),
+        (False, True, 61, 32),
+        (True, True, 64, 32),
+        (True, True, 64, 16),
+        (False, True, 61, 48),
+    ],
+)
 def test_cuda_block_kernels_match_the_math(causal, masked, s_k, d_v):  # d_v != 32: latent attention's own v width
     torch.manual_seed(0)
     q = torch.randn(2, 4, 64, 32, device="cuda")
@@ -26,12 +37,12 @@ def test_cuda_block_kernels_match_the_math(causal, masked, s_k, d_v):  # d_v != 
     if masked:
         allowed = torch.rand(2, 1, 64, s_k, device="cuda") > 0.3
         bias = torch.zeros(allowed.shape, device="cuda").masked_fill(~allowed, float("-inf"))
-    out, lse = block_forward(q, k, v, bias, causal, 32 ** -0.5)
-    ref_out, ref_lse = _math_forward(q, k, v, bias, causal, 32 ** -0.5)
+    out, lse = block_forward(q, k, v, bias, causal, 32**-0.5)
+    ref_out, ref_lse = _math_forward(q, k, v, bias, causal, 32**-0.5)
     assert relative_error(out, ref_out) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
     dout = torch.randn_like(out)
-    grads = block_backward(dout, q, k, v, out, lse, bias, causal, 32 ** -0.5)
-    ref = _math_backward(dout, q, k, v, ref_out, ref_lse, bias, causal, 32 ** -0.5)
+    grads = block_backward(dout, q, k, v, out, lse, bias, causal, 32**-0.5)
+    ref = _math_backward(dout, q, k, v, ref_out, ref_lse, bias, causal, 32**-0.5)
     for g, r in zip(grads, ref):
         assert relative_error(g, r) < 1e-4
 
@@ -61,11 +72,14 @@ def _packed_attention(device, dtype, doc, window, q, k, v):
     return [out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves], pattern
 
 
-@pytest.mark.parametrize("dtype,lengths,window,path,tol", [
-    (torch.bfloat16, (5, 9, 3, 15), None, "segments", 2e-2),  # the varlen flash kernel
-    (torch.bfloat16, (5, 9, 3, 15), 3, "segments", 2e-2),  # ... with a sliding window
-    (torch.float32, (32,) * 16, None, "documents", 1e-5),  # no fp32 flash kernel: document by document
-])
+@pytest.mark.parametrize(
+    "dtype,lengths,window,path,tol",
+    [
+        (torch.bfloat16, (5, 9, 3, 15), None, "segments", 2e-2),  # the varlen flash kernel
+        (torch.bfloat16, (5, 9, 3, 15), 3, "segments", 2e-2),  # ... with a sliding window
+        (torch.float32, (32,) * 16, None, "documents", 1e-5),  # no fp32 flash kernel: document by document
+    ],
+)
 def test_packed_attention_on_cuda_builds_no_row_long_mask_and_matches_the_cpu(dtype, lengths, window, path, tol):
     """Packed (and windowed) whole-sequence attention on CUDA builds no [s, s] mask: bf16 takes the varlen
     flash kernel over documents, fp32 (long rows of short documents) goes document by document; both equal
@@ -78,6 +92,7 @@ def test_packed_attention_on_cuda_builds_no_row_long_mask_and_matches_the_cpu(dt
     q, k, v = (torch.randn(1, 4, doc.shape[1], 16) for _ in range(3))
     want, _ = _packed_attention("cpu", torch.float32, doc, window, q, k, v)
     from seqpar_hf.attention.pattern import MISSING
+
     got, pattern = _packed_attention("cuda", dtype, doc, window, q, k, v)
     assert getattr(pattern, path) not in (MISSING, None) and pattern.full is MISSING
     for g, w in zip(got, want):
@@ -108,8 +123,29 @@ def test_longest_sequence_benchmark_runs_on_cuda(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "longest"
-    subprocess.run([sys.executable, "-m", "benchmarks.longest_sequence", "--device", "cuda", "--sp", "1",
-                    "2", "--options", "plain", "checkpointing + tiled loss", "--lengths", "768", "1280", "2048",
-                    "--out", str(out)], check=True, cwd=root, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.longest_sequence",
+            "--device",
+            "cuda",
+            "--sp",
+            "1",
+            "2",
+            "--options",
+            "plain",
+            "checkpointing + tiled loss",
+            "--lengths",
+            "768",
+            "1280",
+            "2048",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=root,
+        timeout=600,
+    )
     rows = json.loads(Path(str(out) + ".json").read_text())["rows"]
     assert all(r["longest"] > 0 for r in rows)

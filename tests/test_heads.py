@@ -27,12 +27,12 @@ def test_chunks_carry_every_head_once_and_the_kv_heads_a_rank_needs(h, g, n, chu
     for j in range(n):
         pieces = [plan.pieces[c][j] for c in range(chunks)]
         q = [i for p in pieces for i in range(*p.q)]
-        assert q == list(range(sum(split.q_sizes[:j]), sum(split.q_sizes[:j + 1])))  # in order, once each
+        assert q == list(range(sum(split.q_sizes[:j]), sum(split.q_sizes[: j + 1])))  # in order, once each
         rows = [r for p in pieces for r in range(*p.kv)]
-        assert rows == list(range(sum(split.kv_sizes[:j]), sum(split.kv_sizes[:j + 1])))  # no kv head twice
+        assert rows == list(range(sum(split.kv_sizes[:j]), sum(split.kv_sizes[: j + 1])))  # no kv head twice
         assert all(p.heads >= 1 for p in pieces)  # every rank computes in every chunk
         for c, p in enumerate(pieces):
-            carried = {t for earlier in pieces[:c + 1] for t in range(*earlier.kv_new)}
+            carried = {t for earlier in pieces[: c + 1] for t in range(*earlier.kv_new)}
             assert set(range(*p.kv_use)) <= carried  # a chunk's kernel has its kv heads by then
             local = split.kv_for_q[j] or tuple(range(split.q_sizes[j]))
             want = tuple(local[i] - p.kv_use[0] for i in range(*p.q_local))
@@ -61,8 +61,8 @@ def test_pack_is_a_copy_and_its_backward_its_inverse(h, g, n, chunks, s_k, d_v):
     q, k, v = torch.randn(b, h, s_q, d), torch.randn(b, g, s_k, d), torch.randn(b, g, s_k, d_v)
     sends = Pack.apply(q, k, v, plan)
     assert sum(x.numel() for x in sends) == b * (h * s_q * d + sum(split.kv_sizes) * s_k * (d + d_v))
-    first = sends[0][:plan.pieces[0][0].heads * b * s_q * d].view(-1, b, s_q, d)
-    assert torch.equal(first, q.transpose(0, 1)[:plan.pieces[0][0].heads])
+    first = sends[0][: plan.pieces[0][0].heads * b * s_q * d].view(-1, b, s_q, d)
+    assert torch.equal(first, q.transpose(0, 1)[: plan.pieces[0][0].heads])
     dq, dk, dv, _ = Pack.backward(type("ctx", (), {"plan": plan, "shapes": (q.shape, k.shape, v.shape)})(), *sends)
     copies = torch.bincount(torch.tensor(split.kv_send or range(g)), minlength=g).float()[None, :, None, None]
     assert torch.equal(dq, q)
@@ -84,16 +84,19 @@ def test_auto_chunks_by_size(monkeypatch):
     assert auto_chunks(mid[:, :16], mid[:, :4], mid[:, :4, :, :64], n) == 2
 
 
-@pytest.mark.parametrize("sp,heads,per_node,tp,want", [
-    (8, [(32, 8)], 8, 1, ("ulysses", None)),
-    (8, [(32, 4)], 8, 1, ("ulysses", None)),  # kv < sp: replicated, still Ulysses (ringmaster: 4 x ring 2)
-    (8, [(12, 4)], 8, 1, ("hybrid", 2)),  # 12 heads over 8 ranks: 1.33x on the busiest; 4 x ring 2
-    (16, [(32, 8)], 8, 1, ("hybrid", 2)),  # Ulysses stays inside a node
-    (8, [(4, 2)], 8, 1, ("hybrid", 2)),  # fewer heads than ranks
-    (4, [(5, 1)], 4, 1, ("ring", None)),
-    (4, [(8, 2)], 4, 2, ("hybrid", 2)),  # TP takes 2 of the 4 ranks of a node
-    (2, [(4, 2), (6, 6)], 2, 1, ("ulysses", None)),  # several attention kinds: every one counts
-])
+@pytest.mark.parametrize(
+    "sp,heads,per_node,tp,want",
+    [
+        (8, [(32, 8)], 8, 1, ("ulysses", None)),
+        (8, [(32, 4)], 8, 1, ("ulysses", None)),  # kv < sp: replicated, still Ulysses (ringmaster: 4 x ring 2)
+        (8, [(12, 4)], 8, 1, ("hybrid", 2)),  # 12 heads over 8 ranks: 1.33x on the busiest; 4 x ring 2
+        (16, [(32, 8)], 8, 1, ("hybrid", 2)),  # Ulysses stays inside a node
+        (8, [(4, 2)], 8, 1, ("hybrid", 2)),  # fewer heads than ranks
+        (4, [(5, 1)], 4, 1, ("ring", None)),
+        (4, [(8, 2)], 4, 2, ("hybrid", 2)),  # TP takes 2 of the 4 ranks of a node
+        (2, [(4, 2), (6, 6)], 2, 1, ("ulysses", None)),  # several attention kinds: every one counts
+    ],
+)
 def test_auto_choice(sp, heads, per_node, tp, want):
     c = choose(sp, heads, per_node, tp)
     assert (c.mode, c.ring_size) == want, c.reason

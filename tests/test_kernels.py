@@ -11,8 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from seqpar_hf.attention import kernels
 
 
-@pytest.mark.parametrize("dtype,keys,path", [(torch.bfloat16, 64, SDPBackend.MATH), (torch.bfloat16, 256, None),
-                                             (torch.float32, 64, None)])
+@pytest.mark.parametrize(
+    "dtype,keys,path", [(torch.bfloat16, 64, SDPBackend.MATH), (torch.bfloat16, 256, None), (torch.float32, 64, None)]
+)
 def test_cpu_sdpa_path_by_dtype_and_length(dtype, keys, path):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, keys, 16, dtype=dtype) for _ in range(3))

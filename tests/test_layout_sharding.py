@@ -5,31 +5,37 @@ from __future__ import annotations
 import pytest
 import torch
 
+from seqpar_hf.attention.ulysses import split_heads
 from seqpar_hf.parallel.layout import ParallelLayout, validate_sizes
 from seqpar_hf.parallel.sharding import ShardPlan
-from seqpar_hf.attention.ulysses import split_heads
 
 
-@pytest.mark.parametrize("world,sp,mode,ring,match", [
-    (4, 3, "ulysses", None, "world size 4 is not divisible by sp_size=3"),
-    (4, 4, "hybrid", 3, "ring_size=3 does not divide sp_size=4"),
-    (4, 4, "hybrid", None, "needs ring_size"),
-    (4, 2, "stripes", None, "unknown sequence-parallel mode 'stripes'"),
-    (4, 0, "ulysses", None, "sp_size must be a positive integer"),
-    (4, 2, "ulysses", 2, "takes no ring_size"),
-    (4, 4, "ring", 2, "ring_size=sp_size=4"),
-])
+@pytest.mark.parametrize(
+    "world,sp,mode,ring,match",
+    [
+        (4, 3, "ulysses", None, "world size 4 is not divisible by sp_size=3"),
+        (4, 4, "hybrid", 3, "ring_size=3 does not divide sp_size=4"),
+        (4, 4, "hybrid", None, "needs ring_size"),
+        (4, 2, "stripes", None, "unknown sequence-parallel mode 'stripes'"),
+        (4, 0, "ulysses", None, "sp_size must be a positive integer"),
+        (4, 2, "ulysses", 2, "takes no ring_size"),
+        (4, 4, "ring", 2, "ring_size=sp_size=4"),
+    ],
+)
 def test_validate_sizes_errors_name_the_values(world, sp, mode, ring, match):
     with pytest.raises(ValueError, match=match):
         validate_sizes(world, sp, mode, ring)
 
 
-@pytest.mark.parametrize("world,sp,mode,ring,expect", [
-    (4, 2, "ulysses", None, (1, 2, 2)),
-    (4, 4, "ring", None, (4, 1, 1)),
-    (8, 4, "hybrid", 2, (2, 2, 2)),
-    (1, 1, "ulysses", None, (1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "world,sp,mode,ring,expect",
+    [
+        (4, 2, "ulysses", None, (1, 2, 2)),
+        (4, 4, "ring", None, (4, 1, 1)),
+        (8, 4, "hybrid", 2, (2, 2, 2)),
+        (1, 1, "ulysses", None, (1, 1, 1)),
+    ],
+)
 def test_validate_sizes(world, sp, mode, ring, expect):
     s = validate_sizes(world, sp, mode, ring)
     assert (s.ring_size, s.ulysses_size, s.dp_size) == expect
@@ -44,10 +50,13 @@ def test_a_built_layout_is_never_changed():
     """mode="auto" resolves into a new layout per model (`resolved`); nothing changes a layout once built: the model
     patched with it, its groups and its forward's fingerprint all read these values."""
     from seqpar_hf.parallel.auto import Choice
+
     layout = ParallelLayout(sp_size=1, mode="auto")  # nothing to choose without SP: Ulysses over one rank
     assert layout.mode == "ulysses" and layout.auto_choice is None
-    with pytest.raises(AttributeError, match="ParallelLayout.mode cannot be changed once the layout is built; build "
-                                             "another ParallelLayout"):
+    with pytest.raises(
+        AttributeError,
+        match="ParallelLayout.mode cannot be changed once the layout is built; build another ParallelLayout",
+    ):
         layout.mode = "ring"
     with pytest.raises(AttributeError, match="ParallelLayout.auto_choice cannot be changed"):
         layout.auto_choice = Choice("ring", None, "")
@@ -65,6 +74,7 @@ def test_mesh_device_type_from_the_backend_or_given(tmp_path):
     """The mesh's device type: "cpu" on gloo, or the one given (a backend that runs on both, e.g. the
     benchmarks' fake group); anything else is refused by name. A gloo group of one process."""
     import torch.distributed as dist
+
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         assert ParallelLayout(sp_size=1).device_type == "cpu"
@@ -76,8 +86,9 @@ def test_mesh_device_type_from_the_backend_or_given(tmp_path):
 
 
 @pytest.mark.parametrize("length", [1, 2, 7, 8, 13, 16])
-@pytest.mark.parametrize("sp,ring,zigzag", [(2, 1, False), (4, 1, False), (2, 2, True), (4, 4, True), (4, 2, True),
-                                           (4, 2, False)])
+@pytest.mark.parametrize(
+    "sp,ring,zigzag", [(2, 1, False), (4, 1, False), (2, 2, True), (4, 4, True), (4, 2, True), (4, 2, False)]
+)
 def test_plans_cover_every_token_once(length, sp, ring, zigzag):
     plans = [ShardPlan.build(length, sp, r, ring, zigzag) for r in range(sp)]
     index = torch.cat([p.global_index() for p in plans])
@@ -103,15 +114,16 @@ def test_padded_positions_stay_inside_the_position_table():
     assert plan.positions().tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("heads,kv,n", [(4, 4, 2), (3, 3, 2), (6, 6, 4), (4, 1, 2), (4, 2, 4), (6, 2, 4), (8, 2, 8),
-                                        (6, 3, 4), (5, 5, 5)])
+@pytest.mark.parametrize(
+    "heads,kv,n", [(4, 4, 2), (3, 3, 2), (6, 6, 4), (4, 1, 2), (4, 2, 4), (6, 2, 4), (8, 2, 8), (6, 3, 4), (5, 5, 5)]
+)
 def test_head_split_gives_each_rank_the_kv_heads_its_queries_use(heads, kv, n):
     split = split_heads(heads, kv, n)
     assert sum(split.q_sizes) == heads and max(split.q_sizes) - min(split.q_sizes) <= 1
     send = list(split.kv_send) if split.kv_send is not None else list(range(kv))
     rep, start, kv_start = heads // kv, 0, 0
     for r in range(n):
-        received = send[kv_start:kv_start + split.kv_sizes[r]]
+        received = send[kv_start : kv_start + split.kv_sizes[r]]
         local = split.kv_for_q[r] or list(range(split.q_sizes[r]))
         for i in range(split.q_sizes[r]):
             assert received[local[i]] == (start + i) // rep  # global q head -> its kv head

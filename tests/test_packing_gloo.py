@@ -33,6 +33,7 @@ def results(spawned):
         if size not in cache:
             cache[size] = _by_name(spawned("packing", size))
         return cache[size]
+
     return get
 
 
@@ -41,8 +42,10 @@ def one_process():
     return _by_name([run_cases(CASES[1])])
 
 
-@pytest.mark.parametrize("size,name", [pytest.param(w, c["name"], id=c["name"]) for w in CASES if w > 1
-                                       for c in CASES[w] if not c.get("refused")])
+@pytest.mark.parametrize(
+    "size,name",
+    [pytest.param(w, c["name"], id=c["name"]) for w in CASES if w > 1 for c in CASES[w] if not c.get("refused")],
+)
 def test_packed_rows_are_exact(results, size, name):
     for r in results(size)[name]:
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
@@ -54,8 +57,10 @@ def test_packed_rows_are_exact_at_sp1(one_process, name):
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
 
 
-REFUSED = ("OPTForCausalLM lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents of one "
-           "packed row with flash-attention kwargs (seen at patch time); here row 0 starts a new document at token 5")
+REFUSED = (
+    "OPTForCausalLM lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents of one "
+    "packed row with flash-attention kwargs (seen at patch time); here row 0 starts a new document at token 5"
+)
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -100,6 +105,7 @@ def test_by_document_attention_in_length_groups_equals_the_row_long_mask(monkeyp
 
 # ---- bad packed input: a clear error naming the row (tier 1, no process group) -----------------------
 
+
 def _patched(family):
     return seqpar_hf.patch_model(build_model(family), seqpar_hf.ParallelLayout(sp_size=1))
 
@@ -119,8 +125,9 @@ def test_cu_seq_lens_that_disagree_with_the_positions():
 
 
 def test_seq2seq_rows_with_unpaired_documents():
-    batch = Seq2SeqPackingCollator(12, 0, 0)([{"input_ids": [5, 6, 7], "labels": [8, 9]},
-                                             {"input_ids": [5, 6], "labels": [7, 8, 9]}])
+    batch = Seq2SeqPackingCollator(12, 0, 0)(
+        [{"input_ids": [5, 6, 7], "labels": [8, 9]}, {"input_ids": [5, 6], "labels": [7, 8, 9]}]
+    )
     batch["decoder_position_ids"][0] = torch.arange(5)  # row 0's targets now read as one document
     with pytest.raises(ValueError, match="packed row 0: 2 source documents but 1 target documents"):
         _patched("marian")(**batch)
@@ -143,8 +150,11 @@ def test_cu_seq_lens_that_the_positions_do_not_say():
     cu_seq_lens alone (or with an attention_mask) would mean different things to them."""
     batch = causal_packed_batch(1)
     cu = batch["cu_seq_lens_q"]
-    with pytest.raises(ValueError, match=r"cu_seq_lens_q describes 6 documents in packed row 0, but comes with "
-                                         r"position_ids that do not restart \(or none\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cu_seq_lens_q describes 6 documents in packed row 0, but comes with "
+        r"position_ids that do not restart \(or none\)",
+    ):
         _patched("llama")(input_ids=batch["input_ids"], labels=batch["labels"], cu_seq_lens_q=cu)
     with pytest.raises(ValueError, match=r"6 documents in packed row 0, but comes with an attention_mask"):
         _patched("llama")(**batch, attention_mask=torch.ones_like(batch["input_ids"]))

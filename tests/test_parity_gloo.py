@@ -26,6 +26,7 @@ def results(spawned):
                 for r in rank_results["cases"]:
                     cache[size].setdefault(r["name"], []).append(r)
         return cache[size]
+
     return get
 
 

@@ -18,8 +18,12 @@ from seqpar_hf import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "longest_sequence.json"
-OPTIONS = {"plain": (False, False), "tiled loss": (False, True), "checkpointing": (True, False),
-           "checkpointing + tiled loss": (True, True)}
+OPTIONS = {
+    "plain": (False, False),
+    "tiled loss": (False, True),
+    "checkpointing": (True, False),
+    "checkpointing + tiled loss": (True, True),
+}
 
 
 def _results():
@@ -28,10 +32,16 @@ def _results():
 
 def _model(results):
     config = results["config"]
-    return plan.Model(hidden=config["hidden_size"], layers=config["num_hidden_layers"],
-                      heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
-                      head_dim=config["head_dim"], ffn=config["intermediate_size"], vocab=config["vocab_size"],
-                      tied=config["tie_word_embeddings"])
+    return plan.Model(
+        hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"],
+        heads=config["num_attention_heads"],
+        kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        ffn=config["intermediate_size"],
+        vocab=config["vocab_size"],
+        tied=config["tie_word_embeddings"],
+    )
 
 
 def _predict(model, record):
@@ -78,8 +88,15 @@ def test_known_model_sizes_and_the_command_line(capsys):
 def test_config_file(tmp_path):
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=2, head_dim=64, vocab_size=32000).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+    ).save_pretrained(tmp_path)
     assert plan.load_model(str(tmp_path)) == plan.Model(**plan.KNOWN["bench-44m"])
 
 
@@ -98,11 +115,17 @@ def _refused(capsys, *argv) -> str:
 
 GQA = "(grouped-query attention"
 CLI_CASES = {  # argv: the start of the message
-    "seq-len -5": (["--seq-len", "-5", "--gpus", "8", "--gpu-memory", "80"], "--seq-len -5: must be a positive integer"),
+    "seq-len -5": (
+        ["--seq-len", "-5", "--gpus", "8", "--gpu-memory", "80"],
+        "--seq-len -5: must be a positive integer",
+    ),
     "seq-len 0": (["--seq-len", "0", "--gpus", "8", "--gpu-memory", "80"], "--seq-len 0: must be a positive integer"),
     "batch 0": ([*RUN, "--batch", "0"], "--batch 0: must be a positive integer (sequences per SP group"),
     "heads 0": ([*RUN, "--heads", "0"], "--heads 0: must be a positive integer (query attention heads)"),
-    "kv-heads 64 > heads": ([*RUN, "--kv-heads", "64"], f"--kv-heads 64: must divide heads of --model llama-3-8b = 32 {GQA}"),
+    "kv-heads 64 > heads": (
+        [*RUN, "--kv-heads", "64"],
+        f"--kv-heads 64: must divide heads of --model llama-3-8b = 32 {GQA}",
+    ),
     "kv-heads 5": ([*RUN, "--heads", "32", "--kv-heads", "5"], f"--kv-heads 5: must divide --heads = 32 {GQA}"),
     "kv-heads 0": ([*RUN, "--kv-heads", "0"], "--kv-heads 0: must be a positive integer"),
     "kv_heads 0 (the old spelling)": ([*RUN, "--kv_heads", "0"], "--kv-heads 0: must be a positive integer"),
@@ -115,16 +138,24 @@ CLI_CASES = {  # argv: the start of the message
     "gpu-memory -80": ([*RUN, "--gpu-memory", "-80"], "--gpu-memory -80.0: must be a positive number (GiB per rank)"),
     "gpu-memory 0": ([*RUN, "--gpu-memory", "0"], "--gpu-memory 0.0: must be a positive number"),
     "gpu-memory nan": ([*RUN, "--gpu-memory", "nan"], "--gpu-memory nan: must be a positive number"),
-    "gpu-memory in MiB": ([*RUN, "--gpu-memory", "81920"], "--gpu-memory 81920: GiB per rank, at most 4096 (is it in MiB"),
+    "gpu-memory in MiB": (
+        [*RUN, "--gpu-memory", "81920"],
+        "--gpu-memory 81920: GiB per rank, at most 4096 (is it in MiB",
+    ),
     "reserve -1": ([*RUN, "--reserve", "-1"], "--reserve -1.0: must be a fraction of each rank's memory in [0, 1)"),
-    "reserve 1.5 (GiB?)": ([*RUN, "--reserve", "1.5"], "--reserve 1.5: must be a fraction of each rank's memory in [0, 1)"),
+    "reserve 1.5 (GiB?)": (
+        [*RUN, "--reserve", "1.5"],
+        "--reserve 1.5: must be a fraction of each rank's memory in [0, 1)",
+    ),
     "reserve 1": ([*RUN, "--reserve", "1"], "--reserve 1.0: must be a fraction"),
     "dtype fp16": ([*RUN, "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     "seq-len missing": (["--gpus", "8"], "--seq-len, --gpu-memory required"),
     "unknown model": ([*RUN, "--model", "no-such-model"], "--model 'no-such-model': not a config.json"),
     "validate missing": (["--validate", "no/such.json"], "--validate no/such.json: no such file"),
-    "validate + seq-len": (["--validate", str(RESULTS), "--seq-len", "5"],
-                           "--validate reads the model and the lengths from its json: drop --seq-len"),
+    "validate + seq-len": (
+        ["--validate", str(RESULTS), "--seq-len", "5"],
+        "--validate reads the model and the lengths from its json: drop --seq-len",
+    ),
 }
 
 
@@ -143,25 +174,78 @@ CONFIGS = {  # config.json text: the start of the message after '--model <path>:
     "corrupt": ('{"hidden_size": 4', "not valid JSON (Expecting ',' delimiter at line 1, column 18)"),
     "empty": ("", "not valid JSON (Expecting value at line 1, column 1)"),
     "array": ("[1, 2]", "holds an array, not a JSON object of keys"),
-    "gpt2-like": (json.dumps({"n_embd": 768, "n_layer": 12, "vocab_size": 50257}),
-                  f"no hidden_size, num_hidden_layers, num_attention_heads, intermediate_size; {FAMILY}"),
-    "encoder-decoder": (json.dumps({"is_encoder_decoder": True, "d_model": 512}),
-                        f"an encoder-decoder model (is_encoder_decoder: true); {FAMILY}"),
-    "bert-like": (json.dumps({"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-                              "intermediate_size": 3072, "vocab_size": 30522, "layer_norm_eps": 1e-12}),
-                  f"LayerNorm (layer_norm_eps, no rms_norm_eps), not Llama's layer; {FAMILY}"),
-    "mixture of experts": (json.dumps({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                                       "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8}),
-                           "a mixture of experts (num_local_experts: 8), whose MLPs the planner does not count"),
-    "zero heads": (json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0,
-                               "intermediate_size": 128, "vocab_size": 100}),
-                   "num_attention_heads 0: must be a positive integer"),
-    "kv heads": (json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                             "num_key_value_heads": 3, "intermediate_size": 128, "vocab_size": 100}),
-                 "num_key_value_heads 3: must divide num_attention_heads = 4"),
-    "string size": (json.dumps({"hidden_size": "64", "num_hidden_layers": 2, "num_attention_heads": 4,
-                                "intermediate_size": 128, "vocab_size": 100, "head_dim": 16}),
-                    "hidden_size '64': must be a positive integer"),
+    "gpt2-like": (
+        json.dumps({"n_embd": 768, "n_layer": 12, "vocab_size": 50257}),
+        f"no hidden_size, num_hidden_layers, num_attention_heads, intermediate_size; {FAMILY}",
+    ),
+    "encoder-decoder": (
+        json.dumps({"is_encoder_decoder": True, "d_model": 512}),
+        f"an encoder-decoder model (is_encoder_decoder: true); {FAMILY}",
+    ),
+    "bert-like": (
+        json.dumps(
+            {
+                "hidden_size": 768,
+                "num_hidden_layers": 12,
+                "num_attention_heads": 12,
+                "intermediate_size": 3072,
+                "vocab_size": 30522,
+                "layer_norm_eps": 1e-12,
+            }
+        ),
+        f"LayerNorm (layer_norm_eps, no rms_norm_eps), not Llama's layer; {FAMILY}",
+    ),
+    "mixture of experts": (
+        json.dumps(
+            {
+                "hidden_size": 4096,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "intermediate_size": 14336,
+                "vocab_size": 32000,
+                "num_local_experts": 8,
+            }
+        ),
+        "a mixture of experts (num_local_experts: 8), whose MLPs the planner does not count",
+    ),
+    "zero heads": (
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 0,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            }
+        ),
+        "num_attention_heads 0: must be a positive integer",
+    ),
+    "kv heads": (
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 3,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            }
+        ),
+        "num_key_value_heads 3: must divide num_attention_heads = 4",
+    ),
+    "string size": (
+        json.dumps(
+            {
+                "hidden_size": "64",
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "head_dim": 16,
+            }
+        ),
+        "hidden_size '64': must be a positive integer",
+    ),
 }
 
 
@@ -178,18 +262,25 @@ def test_bad_config_json_one_line_naming_file_and_key(case, tmp_path, capsys):
 def test_unreadable_config_and_validate_json(tmp_path, capsys):
     binary = tmp_path / "config.json"
     binary.write_bytes(b"\xff\xfe\x00")
-    assert _refused(capsys, *RUN, "--model", str(binary)) == f"--model {binary}: not a text file (not UTF-8), so not a JSON file"
+    assert (
+        _refused(capsys, *RUN, "--model", str(binary))
+        == f"--model {binary}: not a text file (not UTF-8), so not a JSON file"
+    )
     assert _refused(capsys, "--validate", str(binary)).startswith(f"--validate {binary}: not a text file")
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"config": {}, "records": []}))
-    assert _refused(capsys, "--validate", str(other)) == (f"--validate {other}: not a benchmarks/longest_sequence.py "
-                                                           "result (no rows, budget_bytes)")
+    assert _refused(capsys, "--validate", str(other)) == (
+        f"--validate {other}: not a benchmarks/longest_sequence.py result (no rows, budget_bytes)"
+    )
 
 
 def test_library_functions_refuse_the_same_values():
     model = plan.Model(**plan.KNOWN["llama-3-8b"])
     cases = [
-        (lambda: plan.plan(model, plan.Layout(), -5, 1), "seq_len -5: must be a positive integer (tokens per sequence)"),
+        (
+            lambda: plan.plan(model, plan.Layout(), -5, 1),
+            "seq_len -5: must be a positive integer (tokens per sequence)",
+        ),
         (lambda: plan.plan(model, plan.Layout(), 1024, 1, batch=0), "batch 0: must be a positive integer"),
         (lambda: plan.plan(model, plan.Layout(), 1024, 0), "gpus 0: must be a positive integer"),
         (lambda: plan.plan(model, plan.Layout(sp=4), 1024, 6), "gpus 6: must be a multiple of sp x tp = 4 x 1"),
@@ -216,6 +307,7 @@ def test_library_functions_refuse_the_same_values():
 def test_exit_codes_of_python_m(monkeypatch, capsys):
     """`python -m seqpar_hf.plan` (run in this process): 0 with a recommendation, 1 when nothing fits (explained),
     2 for a bad argument; one line, no traceback."""
+
     def run(*argv):
         monkeypatch.setattr(sys, "argv", ["seqpar_hf.plan", *argv])
         sys.modules.pop("seqpar_hf.plan.__main__", None)
@@ -223,17 +315,26 @@ def test_exit_codes_of_python_m(monkeypatch, capsys):
             runpy.run_module("seqpar_hf.plan", run_name="__main__")
         out = capsys.readouterr()
         return exit_.value.code, out.out.splitlines(), out.err.splitlines()
+
     code, out, _ = run(*RUN)
-    assert code == 0 and out[-5].startswith("recommended: sp=1, tp=1, tiled loss, dp=8") and out[-4] == "to run it:", out
+    assert code == 0 and out[-5].startswith("recommended: sp=1, tp=1, tiled loss, dp=8") and out[-4] == "to run it:", (
+        out
+    )
     code, out, _ = run("--seq-len", "1000000", "--gpus", "1", "--gpu-memory", "8")
-    assert code == 1 and out[-1] == ("nothing fits: the smallest peak, 575.9 GiB (sp=1, tp=1, checkpointing, tiled loss), "
-                                     "is above the 7.2 GiB usable per rank (8 GiB less the 10% reserve); more ranks or a "
-                                     "shorter sequence"), out  # the run is bf16 already
+    assert code == 1 and out[-1] == (
+        "nothing fits: the smallest peak, 575.9 GiB (sp=1, tp=1, checkpointing, tiled loss), "
+        "is above the 7.2 GiB usable per rank (8 GiB less the 10% reserve); more ranks or a "
+        "shorter sequence"
+    ), out  # the run is bf16 already
     code, out, _ = run("--seq-len", "1000000", "--gpus", "1", "--gpu-memory", "8", "--dtype", "fp32")
     assert code == 1 and out[-1].endswith("; more ranks, a shorter sequence, or bf16"), out
     code, out, err = run("--seq-len", "-5", "--gpus", "8", "--gpu-memory", "80")
-    assert code == 2 and out == [] and err[-1] == ("python -m seqpar_hf.plan: error: --seq-len -5: must be a positive "
-                                                   "integer (tokens per sequence)")
+    assert (
+        code == 2
+        and out == []
+        and err[-1]
+        == ("python -m seqpar_hf.plan: error: --seq-len -5: must be a positive integer (tokens per sequence)")
+    )
 
 
 def test_recommendation_prints_how_to_run_it_and_the_columns(capsys, monkeypatch):
@@ -243,22 +344,40 @@ def test_recommendation_prints_how_to_run_it_and_the_columns(capsys, monkeypatch
     monkeypatch.setattr(howto, "checkpointing_flag", lambda: "--activation_checkpointing")  # transformers' own name
     best = plan.main(["--model", "llama-3-8b", "--seq-len", "131072", "--gpus", "8", "--gpu-memory", "80"])
     out = capsys.readouterr().out.splitlines()
-    assert (best.layout.sp, best.layout.mode, best.layout.checkpointing, best.layout.tiled) == (2, "ulysses", True, True)
+    assert (best.layout.sp, best.layout.mode, best.layout.checkpointing, best.layout.tiled) == (
+        2,
+        "ulysses",
+        True,
+        True,
+    )
     at = out.index("to run it:")
     assert out[at - 1].startswith("recommended: sp=2 ulysses, tp=1, checkpointing, tiled loss, dp=4")
-    assert out[at + 1:] == [
+    assert out[at + 1 :] == [
         "  flags:   --sp_size 2 --sp_mode ulysses --activation_checkpointing --bf16  (SequenceParallelArguments, the "
         "TRL configs, the recipes)",
         "  launch:  accelerate launch --num_processes 8 --use_fsdp --fsdp_version 2 <script> <flags>  (FSDP2 over dp x "
         "sp = 8 ranks)",
         "  python:  layout = seqpar_hf.ParallelLayout(sp_size=2, mode='ulysses'); seqpar_hf.patch_model(model, layout, "
-        "tiled_loss=True); model.gradient_checkpointing_enable(); seqpar_hf.training.fsdp.shard_model(model, layout)"]
+        "tiled_loss=True); model.gradient_checkpointing_enable(); seqpar_hf.training.fsdp.shard_model(model, layout)",
+    ]
     header = next(line for line in out if line.startswith("layout "))
-    legend = out[out.index(howto.LEGEND.splitlines()[0]):at - 1]
-    assert [c for c in header.split()[1:] if c not in ("GiB", "at")] == ["states", "fsdp", "activ.", "logits", "comm",
-                                                                          "peak"]
+    legend = out[out.index(howto.LEGEND.splitlines()[0]) : at - 1]
+    assert [c for c in header.split()[1:] if c not in ("GiB", "at")] == [
+        "states",
+        "fsdp",
+        "activ.",
+        "logits",
+        "comm",
+        "peak",
+    ]
     assert [line.split()[0] for line in legend if line.startswith("  ") and not line.startswith("   ")] == [
-        "states", "fsdp", "activ.", "logits", "comm", "peak"]
+        "states",
+        "fsdp",
+        "activ.",
+        "logits",
+        "comm",
+        "peak",
+    ]
 
 
 def test_tensor_parallel_and_small_logits_flags():
@@ -271,7 +390,9 @@ def test_tensor_parallel_and_small_logits_flags():
     assert "tiled_loss" not in tp[3] and "(FSDP2 over dp x sp = 2 ranks)" in tp[2]
     small = howto.run_lines(plan.Layout(tiled=True), gpus=1, dtype="bf16", logits_per_rank=1000)
     assert "patch the model with tiled_loss=True before the trainer" in small[1]
-    assert small[2] == "  launch:  accelerate launch --num_processes 1 <script> <flags>" and "shard_model" not in small[3]
+    assert (
+        small[2] == "  launch:  accelerate launch --num_processes 1 <script> <flags>" and "shard_model" not in small[3]
+    )
 
 
 def test_old_flag_spelling_is_the_same_flag(capsys):

@@ -22,12 +22,19 @@ def _linear_dtypes_of_one_step(args) -> set:
     rows = [{"input_ids": [5, 6, 7, 2], "labels": [8, 9, 2]}] * 2
     trainer = seqpar_hf.SequenceParallelTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
     trainer.train()
-    return set(seen[-len(linears):])
+    return set(seen[-len(linears) :])
 
 
 def _args(tmp_path, **kwargs):
-    return seqpar_hf.SequenceParallelArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
-                                              per_device_train_batch_size=2, save_strategy="no", **kwargs)
+    return seqpar_hf.SequenceParallelArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        **kwargs,
+    )
 
 
 def test_bf16_set_after_the_arguments_still_trains_in_bf16(tmp_path):

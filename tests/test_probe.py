@@ -28,28 +28,51 @@ def _model(model_type: str, class_name: str):
         return build_tiny(model_type, class_name)[0]
 
 
-@pytest.mark.parametrize("model_type,class_name,expected", [
-    ("lfm2", "Lfm2ForCausalLM", ["model.layers.0.conv (Lfm2ShortConv) runs a convolution along the sequence", FIX]),
-    ("jamba", "JambaForCausalLM", ["model.layers.0.mamba (JambaMambaMixer)", FIX]),
-    ("qwen3_next", "Qwen3NextForCausalLM", ["model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)", FIX]),
-    ("mamba", "MambaForCausalLM", ["backbone.layers.0.mixer (MambaMixer)", FIX]),
-    ("rwkv", "RwkvForCausalLM", ["rwkv.blocks.0.attention.time_shift (ZeroPad2d)", FIX]),
-    ("openai-gpt", "OpenAIGPTLMHeadModel",
-     ["transformer.h.0.attn (Attention) computes attention itself", "not through transformers' AttentionInterface"]),
-    ("nllb-moe", "NllbMoeForConditionalGeneration",
-     ["(NllbMoeTop2Router) decides for each token from the batch's other tokens", "capacity", FIX]),
-    ("deepseek_v32", "DeepseekV32ForCausalLM",
-     ["model.layers.0.self_attn (DeepseekV32Attention) passes indices=", "does not honour", FIX]),
-    ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ["(MiniMaxM3VLAttention) passes block_indices=", FIX]),
-    ("inkling_text", "InklingForCausalLM", ["model.layers.0.self_attn (InklingAttention) passes position_bias="]),
-    ("doge", "DogeForCausalLM", ["model.layers.0.self_attn (DogeAttention) is given a pattern other than causal"]),
-    ("encoder-decoder", "EncoderDecoderModel", ["several modules it calls itself", "decoder (BertLMHeadModel)",
-                                                "encoder (BertModel)"]),
-    ("whisper", "WhisperForCausalLM", ["against the label at the same position (no shift)", "lm_loss=False"]),
-    ("marian:decoder_is_causal_false", "MarianMTModel",
-     ["model.decoder.layers.0.self_attn (MarianAttention) says is_causal=False but is given a causal mask",
-      "Make the module's is_causal agree"]),
-])
+@pytest.mark.parametrize(
+    "model_type,class_name,expected",
+    [
+        ("lfm2", "Lfm2ForCausalLM", ["model.layers.0.conv (Lfm2ShortConv) runs a convolution along the sequence", FIX]),
+        ("jamba", "JambaForCausalLM", ["model.layers.0.mamba (JambaMambaMixer)", FIX]),
+        ("qwen3_next", "Qwen3NextForCausalLM", ["model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)", FIX]),
+        ("mamba", "MambaForCausalLM", ["backbone.layers.0.mixer (MambaMixer)", FIX]),
+        ("rwkv", "RwkvForCausalLM", ["rwkv.blocks.0.attention.time_shift (ZeroPad2d)", FIX]),
+        (
+            "openai-gpt",
+            "OpenAIGPTLMHeadModel",
+            [
+                "transformer.h.0.attn (Attention) computes attention itself",
+                "not through transformers' AttentionInterface",
+            ],
+        ),
+        (
+            "nllb-moe",
+            "NllbMoeForConditionalGeneration",
+            ["(NllbMoeTop2Router) decides for each token from the batch's other tokens", "capacity", FIX],
+        ),
+        (
+            "deepseek_v32",
+            "DeepseekV32ForCausalLM",
+            ["model.layers.0.self_attn (DeepseekV32Attention) passes indices=", "does not honour", FIX],
+        ),
+        ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ["(MiniMaxM3VLAttention) passes block_indices=", FIX]),
+        ("inkling_text", "InklingForCausalLM", ["model.layers.0.self_attn (InklingAttention) passes position_bias="]),
+        ("doge", "DogeForCausalLM", ["model.layers.0.self_attn (DogeAttention) is given a pattern other than causal"]),
+        (
+            "encoder-decoder",
+            "EncoderDecoderModel",
+            ["several modules it calls itself", "decoder (BertLMHeadModel)", "encoder (BertModel)"],
+        ),
+        ("whisper", "WhisperForCausalLM", ["against the label at the same position (no shift)", "lm_loss=False"]),
+        (
+            "marian:decoder_is_causal_false",
+            "MarianMTModel",
+            [
+                "model.decoder.layers.0.self_attn (MarianAttention) says is_causal=False but is given a causal mask",
+                "Make the module's is_causal agree",
+            ],
+        ),
+    ],
+)
 def test_refusal_names_the_module_why_and_the_fix(model_type, class_name, expected):
     model = _model(model_type, class_name)
     with pytest.raises(ValueError) as info:
@@ -61,20 +84,32 @@ def test_refusal_names_the_module_why_and_the_fix(model_type, class_name, expect
 
 
 def _state(model):
-    return ({k: v.clone() for k, v in [*model.state_dict().items(), *model.named_buffers()]},
-            [m.training for m in model.modules()], {n: dict(vars(m)) for n, m in model.named_modules()},
-            torch.get_rng_state(), copy.deepcopy(model.config.to_dict()), model.config._attn_implementation)
+    return (
+        {k: v.clone() for k, v in [*model.state_dict().items(), *model.named_buffers()]},
+        [m.training for m in model.modules()],
+        {n: dict(vars(m)) for n, m in model.named_modules()},
+        torch.get_rng_state(),
+        copy.deepcopy(model.config.to_dict()),
+        model.config._attn_implementation,
+    )
 
 
 def _dynamic_rope_llama():
     from tests.helpers.models import build_model, rope
+
     return build_model("llama", rope_parameters=rope("dynamic"), max_position_embeddings=8)
 
 
-@pytest.mark.parametrize("model_type,class_name", [("llama", "LlamaForCausalLM"),
-                                                   ("nllb-moe", "NllbMoeForConditionalGeneration"),
-                                                   ("lfm2", "Lfm2ForCausalLM"), ("roberta", "RobertaForCausalLM"),
-                                                   ("llama", "dynamic rope")])
+@pytest.mark.parametrize(
+    "model_type,class_name",
+    [
+        ("llama", "LlamaForCausalLM"),
+        ("nllb-moe", "NllbMoeForConditionalGeneration"),
+        ("lfm2", "Lfm2ForCausalLM"),
+        ("roberta", "RobertaForCausalLM"),
+        ("llama", "dynamic rope"),
+    ],
+)
 def test_dry_run_leaves_model_rng_and_config_untouched(model_type, class_name):
     """NLLB-MoE's router stores its capacity on itself in forward; RoBERTa's buffers; refused or not.
     Dynamic RoPE re-registers its inv_freq buffer when the dry run's 25 tokens pass max_position_embeddings
@@ -93,8 +128,11 @@ def test_dry_run_leaves_model_rng_and_config_untouched(model_type, class_name):
     for name, attrs in before[2].items():
         now = after[2][name]
         assert attrs.keys() == now.keys(), name
-        assert all(now[k] is v or now[k] == v for k, v in attrs.items()
-                   if not isinstance(v, torch.Tensor) and k not in ("_forward_hooks", "_forward_pre_hooks")), name
+        assert all(
+            now[k] is v or now[k] == v
+            for k, v in attrs.items()
+            if not isinstance(v, torch.Tensor) and k not in ("_forward_hooks", "_forward_pre_hooks")
+        ), name
     assert torch.equal(before[3], after[3])
     assert before[4] == after[4] and before[5] == after[5]
 
@@ -104,7 +142,9 @@ def test_what_the_dry_run_proves():
     assert any(site.name.startswith("layers.0.self_attn") for site in longcat.attention)  # MLA, not "*Attention"
     qwen2_moe = inspect_model(_model("qwen2_moe", "Qwen2MoeForCausalLM"), split=True)
     assert {site.name: site.pattern for site in qwen2_moe.attention} == {  # window read off the mask function
-        "layers.0.self_attn": (True, 4), "layers.1.self_attn": (True, None)}
+        "layers.0.self_attn": (True, 4),
+        "layers.1.self_attn": (True, None),
+    }
     t5gemma = inspect_model(_model("t5gemma:no_softcap", "T5GemmaForConditionalGeneration"), split=True)
     patterns = {(s.q_side, s.kv_side, s.pattern) for s in t5gemma.attention}
     assert ("encoder", "encoder", (False, 5)) in patterns  # |i - j| <= 4: bidirectional window
@@ -112,8 +152,10 @@ def test_what_the_dry_run_proves():
     decoder_self = [s for s in marian.attention if s.name == "decoder.layers.0.self_attn"][0]
     assert (decoder_self.q_side, decoder_self.kv_side, decoder_self.pattern) == ("decoder", "decoder", (True, None))
     assert inspect_model(_model("opt", "OPTForCausalLM"), split=True).backbone.__class__.__name__ == "OPTDecoder"
-    assert inspect_model(_model("mllama", "MllamaForCausalLM"), split=True).backbone.__class__.__name__ == \
-        "MllamaTextModel"
+    assert (
+        inspect_model(_model("mllama", "MllamaForCausalLM"), split=True).backbone.__class__.__name__
+        == "MllamaTextModel"
+    )
     assert inspect_model(_model("roberta", "RobertaForCausalLM"), split=True).default_positions == "padding_aware"
     assert inspect_model(_model("opt", "OPTForCausalLM"), split=True).default_positions == "mask_cumsum"
     assert inspect_model(_model("llama", "LlamaForCausalLM"), split=True).default_positions == "arange"
@@ -134,6 +176,7 @@ def test_dynamic_rope_at_the_table_length_after_the_dry_run():
     """A batch exactly max_position_embeddings long neither grows nor resets dynamic RoPE's frequencies:
     it ran with the ones the dry run had grown (gradients 5e-2 off before the dry run restored them)."""
     from tests.helpers.models import make_batch
+
     _parity_at_sp1(_dynamic_rope_llama(), make_batch("llama", 100, length=8, pad=False))
 
 
@@ -145,15 +188,22 @@ def test_packed_rows_decided_by_behaviour():
     (transformers separates documents only without a cache)."""
     cached = inspect_model(_model("llama", "LlamaForCausalLM"), split=True).packed_rows
     assert set(cached) == {"packed rows with use_cache on"}, cached
-    assert cached["packed rows with use_cache on"].startswith("LlamaForCausalLM lets model.layers.0.self_attn "
-                                                              "(LlamaAttention) attend across"), cached
-    kinds = {"one packed row", "one packed row with flash-attention kwargs", "several packed rows",
-             "packed rows with use_cache on"}
+    assert cached["packed rows with use_cache on"].startswith(
+        "LlamaForCausalLM lets model.layers.0.self_attn (LlamaAttention) attend across"
+    ), cached
+    kinds = {
+        "one packed row",
+        "one packed row with flash-attention kwargs",
+        "several packed rows",
+        "packed rows with use_cache on",
+    }
     refused = inspect_model(_model("opt", "OPTForCausalLM")).packed_rows
     assert set(refused) == kinds
     where = "model.decoder.layers.0.self_attn (OPTAttention)"
-    assert all(why.startswith(f"OPTForCausalLM lets {where} attend across the documents of {kind}")
-               for kind, why in refused.items()), refused
+    assert all(
+        why.startswith(f"OPTForCausalLM lets {where} attend across the documents of {kind}")
+        for kind, why in refused.items()
+    ), refused
     # RoBERTa as an LM head: transformers 5.24 does not hand its mask function the positions, 5.25 does;
     # the probe follows whichever is installed, so this asserts what the unpatched model does
     roberta = _model("roberta", "RobertaForCausalLM")
@@ -176,6 +226,7 @@ def test_packed_rows_with_the_cache_on_follow_the_callers_use_cache():
     patched one refuses, saying how to turn the cache off; with use_cache=False (the keyword or the
     config, as the Trainer and TRL set it) both keep documents apart, exactly."""
     from tests.helpers.models import build_model
+
     positions = torch.cat([torch.arange(6), torch.arange(7)])[None]  # [1, 13]: two documents
     batch = {"input_ids": torch.arange(3, 16)[None], "position_ids": positions, "labels": torch.arange(3, 16)[None]}
     model = build_model("llama")
@@ -191,10 +242,22 @@ def test_packed_rows_with_the_cache_on_follow_the_callers_use_cache():
 
 def _gpt2(positions: int):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=positions, n_embd=32, n_layer=2, n_head=4,
-                                      bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=97,
+            n_positions=positions,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=1,
+            eos_token_id=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def test_a_short_position_table_gets_a_shorter_dry_run():
@@ -202,20 +265,26 @@ def test_a_short_position_table_gets_a_shorter_dry_run():
     2 ways and zigzagged, and still refusing what mixes tokens (GPT's hand-written attention). Under 8
     positions no dry run fits: refused, naming the table."""
     from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
     family = inspect_model(_gpt2(16), split=True, ring=True)
     assert set(family.packed_rows) == {"packed rows with use_cache on"} and family.default_positions == "arange"
     _parity_at_sp1(_gpt2(16), {"input_ids": torch.arange(3, 19)[None], "labels": torch.arange(3, 19)[None]})
     gpt = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match=r"transformer.h.0.attn \(Attention\) computes attention itself"):
         inspect_model(gpt, split=True, ring=True)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel: transformer.wpe \(Embedding\) holds 7 positions, too few "
-                                         r"for the dry run that proves the model shards exactly"):
+    with pytest.raises(
+        ValueError,
+        match=r"GPT2LMHeadModel: transformer.wpe \(Embedding\) holds 7 positions, too few "
+        r"for the dry run that proves the model shards exactly",
+    ):
         inspect_model(_gpt2(7), split=True)
 
 
 def test_a_backbone_alone_is_proven_the_same_way():
-    assert inspect_model(_model("roberta", "RobertaForCausalLM").base_model, split=True).default_positions == \
-        "padding_aware"
+    assert (
+        inspect_model(_model("roberta", "RobertaForCausalLM").base_model, split=True).default_positions
+        == "padding_aware"
+    )
     with pytest.raises(ValueError, match=r"Lfm2Model: layers\.0\.conv \(Lfm2ShortConv\) runs a convolution"):
         inspect_model(_model("lfm2", "Lfm2ForCausalLM").base_model, split=True)
 
@@ -248,7 +317,7 @@ def test_tiled_loss_refused_or_off_where_the_head_is_not_reproduced():
 
     def squared_logits(labels=None, **kwargs):  # a post-processing no candidate reproduces
         out = forward(**kwargs)
-        out.logits = out.logits ** 2
+        out.logits = out.logits**2
         if labels is not None:
             out.loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return out
@@ -262,6 +331,7 @@ def test_tiled_loss_refused_or_off_where_the_head_is_not_reproduced():
 
 def test_mask_patterns_read_exactly():
     from transformers import masking_utils as m
+
     assert read_function(m.causal_mask_function) == (True, None)
     assert read_function(m.bidirectional_mask_function) == (False, None)
     assert read_function(m.sliding_window_causal_mask_function(131072)) == (True, 131072)  # any window size
@@ -293,6 +363,7 @@ class _DepthwiseMix(torch.nn.Module):
 
     def forward(self, x):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         states = torch.stack([x, self.mlp(x)], dim=-2)  # [b, s, 2, h]: "heads" b, s; "keys" the 2 copies
         query = self.query.expand(*x.shape[:-1], 1, -1)  # [b, s, 1, h]
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)

@@ -27,7 +27,8 @@ def test_readme_quickstart_is_the_example_file():
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     assert blocks, "the README has no ```python block"
     assert blocks[0] == QUICKSTART.read_text(), (
-        "the README's first ```python block must be examples/quickstart.py verbatim: copy the file into it")
+        "the README's first ```python block must be examples/quickstart.py verbatim: copy the file into it"
+    )
 
 
 def test_readme_gives_the_launch_line_within_its_first_120_lines():
@@ -43,8 +44,9 @@ def recipe_run(tmp_path_factory):
     assert argv[0] == "torchrun" and argv[-1] == "examples/quickstart.py", argv
     cmd = [sys.executable, "-m", "torch.distributed.run", *argv[1:-1], str(ROOT / argv[-1])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # 2 processes share the cores
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path_factory.mktemp("quickstart"))
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path_factory.mktemp("quickstart")
+    )
     return proc
 
 

@@ -20,13 +20,17 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def recipes():
     from recipes import sft_long_context, train_translation
+
     return {"translation": train_translation, "sft": sft_long_context}
 
 
 def _parsed(recipe, argv, tmp_path):
     """The recipe's dataclasses for `argv` (unchecked), writing only under tmp_path."""
-    groups = ((recipe.ModelArguments, recipe.DataArguments, recipe.RecipeTrainingArguments)
-              if hasattr(recipe, "ModelArguments") else (recipe.RecipeArguments, recipe.SFTArguments))
+    groups = (
+        (recipe.ModelArguments, recipe.DataArguments, recipe.RecipeTrainingArguments)
+        if hasattr(recipe, "ModelArguments")
+        else (recipe.RecipeArguments, recipe.SFTArguments)
+    )
     argv = ["--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache"), *argv]
     return HfArgumentParser(groups).parse_args_into_dataclasses(args=argv)
 
@@ -35,17 +39,25 @@ TRANSLATION = {  # flags: the start of the message
     "num_threads -1": (["--num_threads", "-1"], "--num_threads -1: must be >= 0 (torch threads per process; 0: "),
     "pack_tokens -5": (["--pack_tokens", "-5"], "--pack_tokens -5: must be >= 0 (tokens per packed row; 0: padded"),
     "pack_tokens < pair": (["--pack_tokens", "64"], "--pack_tokens 64: shorter than the longest pair (80 tokens"),
-    "pack + documents": (["--pack_tokens", "256", "--document_sentences", "2"],
-                         "--pack_tokens 256 packs sentence pairs into rows; --document_sentences 2 joins them"),
-    "separator + markers": (["--document_sentences", "4", "--sentence_separator"],
-                            "--sentence_separator and --sentence_markers (on by default) both mark the sentences"),
+    "pack + documents": (
+        ["--pack_tokens", "256", "--document_sentences", "2"],
+        "--pack_tokens 256 packs sentence pairs into rows; --document_sentences 2 joins them",
+    ),
+    "separator + markers": (
+        ["--document_sentences", "4", "--sentence_separator"],
+        "--sentence_separator and --sentence_markers (on by default) both mark the sentences",
+    ),
     "document_sentences 0": (["--document_sentences", "0"], "--document_sentences 0: must be >= 1 (sentence pairs"),
     "max_train_minutes -1": (["--max_train_minutes", "-1"], "--max_train_minutes -1.0: must be >= 0 (minutes of"),
     "max_train_minutes nan": (["--max_train_minutes", "nan"], "--max_train_minutes nan: must be >= 0"),
-    "sentence_warmup_minutes -2": (["--sentence_warmup_minutes", "-2"],
-                                   "--sentence_warmup_minutes -2.0: must be >= 0 (minutes on single sentences"),
-    "sentence_warmup >= budget": (["--document_sentences", "4", "--sentence_warmup_minutes", "22"],
-                                  "--sentence_warmup_minutes 22.0: must be shorter than --max_train_minutes 22.0"),
+    "sentence_warmup_minutes -2": (
+        ["--sentence_warmup_minutes", "-2"],
+        "--sentence_warmup_minutes -2.0: must be >= 0 (minutes on single sentences",
+    ),
+    "sentence_warmup >= budget": (
+        ["--document_sentences", "4", "--sentence_warmup_minutes", "22"],
+        "--sentence_warmup_minutes 22.0: must be shorter than --max_train_minutes 22.0",
+    ),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
     "vocab_size 3": (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (the shared BPE vocabulary: 3 special"),
@@ -81,8 +93,10 @@ SFT = {
     "pairs_per_document 0": (["--pairs_per_document", "0"], "--pairs_per_document 0: must be >= 1"),
     "max_documents 0": (["--max_documents", "0"], "--max_documents 0: must be >= 1 (training documents)"),
     "eval_documents 0": (["--eval_documents", "0"], "--eval_documents 0: must be >= 1 (held-out documents)"),
-    "eval pairs > held out": (["--pairs_per_document", "200"],
-                              "--eval_documents 16 x --pairs_per_document 200: must be at most 2000 pairs"),
+    "eval pairs > held out": (
+        ["--pairs_per_document", "200"],
+        "--eval_documents 16 x --pairs_per_document 200: must be at most 2000 pairs",
+    ),
     "max_train_minutes -1": (["--max_train_minutes", "-1"], "--max_train_minutes -1.0: must be >= 0"),
     "max_length 0": (["--max_length", "0"], "--max_length 0: must be >= 1 (tokens per packed row"),
     "train batch 0": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be >= 1"),
@@ -107,7 +121,9 @@ def test_recipe_defaults_pass_and_bad_folders_are_refused(recipes, recipe_name, 
     blocker.write_text("")
     with pytest.raises(ValueError) as error:  # a file where a folder is needed: fails for root too
         recipe.check_args(*_parsed(recipe, ["--output_dir", str(blocker / "model")], tmp_path))
-    assert str(error.value) == f"--output_dir {str(blocker / 'model')!r}: must be a folder to write to (Not a directory)"
+    assert (
+        str(error.value) == f"--output_dir {str(blocker / 'model')!r}: must be a folder to write to (Not a directory)"
+    )
     with pytest.raises(ValueError) as error:
         recipe.check_args(*_parsed(recipe, ["--data_cache_dir", str(blocker)], tmp_path))
     assert str(error.value) == f"--data_cache_dir {str(blocker)!r}: must be a folder (File exists)"
@@ -118,16 +134,30 @@ def test_recipe_parse_args_exits_2_with_one_line(recipes, recipe_name, tmp_path,
     with pytest.raises(SystemExit) as exit_:
         recipes[recipe_name].parse_args(["--num_threads", "-1", "--output_dir", str(tmp_path)])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: --num_threads -1: must be >= 0 (torch "
-                                                                     "threads per process; 0: the usable cores divided "
-                                                                     "by the local processes)")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "error: --num_threads -1: must be >= 0 (torch "
+            "threads per process; 0: the usable cores divided "
+            "by the local processes)"
+        )
+    )
 
 
 HELP_SECTIONS = {
-    "translation": ["sequence parallelism (seqpar_hf)", "model (this recipe)", "data (this recipe)",
-                    "training arguments (transformers Seq2SeqTrainingArguments, with this recipe's defaults)"],
-    "sft": ["sequence parallelism (seqpar_hf)", "this recipe",
-            "training arguments (trl SFTConfig, with this recipe's defaults)"],
+    "translation": [
+        "sequence parallelism (seqpar_hf)",
+        "model (this recipe)",
+        "data (this recipe)",
+        "training arguments (transformers Seq2SeqTrainingArguments, with this recipe's defaults)",
+    ],
+    "sft": [
+        "sequence parallelism (seqpar_hf)",
+        "this recipe",
+        "training arguments (trl SFTConfig, with this recipe's defaults)",
+    ],
 }
 
 
@@ -141,11 +171,30 @@ def test_help_starts_with_the_sequence_parallel_flags(recipes, recipe_name, caps
     assert exit_.value.code == 0 and out.startswith("usage: ") and out.splitlines()[1] == ""
     assert re.findall(r"^(\S.*):$", out, re.M) == ["options", *HELP_SECTIONS[recipe_name]]
     sp = out.split("sequence parallelism (seqpar_hf):")[1].split("\n\n")[0]
-    assert re.findall(r"^  (--\w+)", sp, re.M)[:5] == ["--sp_size", "--sp_mode", "--sp_ring_size", "--sp_head_chunks",
-                                                       "--tp_size"]
+    assert re.findall(r"^  (--\w+)", sp, re.M)[:5] == [
+        "--sp_size",
+        "--sp_mode",
+        "--sp_ring_size",
+        "--sp_head_chunks",
+        "--tp_size",
+    ]
     recipe = recipes[recipe_name]
-    parsed = recipe.parse_args(["--sp_size", "1", "--sp_mode", "ring", "--learning_rate", "0.5", "--num_threads", "1",
-                                "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache")])
+    parsed = recipe.parse_args(
+        [
+            "--sp_size",
+            "1",
+            "--sp_mode",
+            "ring",
+            "--learning_rate",
+            "0.5",
+            "--num_threads",
+            "1",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--data_cache_dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     training, own = parsed[-1], parsed[-2]
     assert (training.sp_mode, training.learning_rate, own.num_threads) == ("ring", 0.5, 1)
     assert training.ddp_find_unused_parameters is False  # every parameter is used: no DDP graph search, no warning
@@ -157,8 +206,9 @@ def test_translation_refuses_empty_splits(recipes):
     splits = {"train": [0] * 19, "validation": [], "test": [0]}
     with pytest.raises(ValueError) as error:
         check(splits, data_args, evaluating=True)
-    assert str(error.value).startswith("--max_pairs 20: the validation split is empty (19 train / 0 validation / 1 "
-                                       "test examples); read more pairs")
+    assert str(error.value).startswith(
+        "--max_pairs 20: the validation split is empty (19 train / 0 validation / 1 test examples); read more pairs"
+    )
     check(splits, data_args, evaluating=False)  # no periodic evaluation: no validation split needed
     with pytest.raises(ValueError, match="the validation and test splits are empty"):
         check({**splits, "test": []}, data_args, evaluating=True)
@@ -167,13 +217,48 @@ def test_translation_refuses_empty_splits(recipes):
 @pytest.fixture(scope="module")
 def recipe_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("recipe")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "recipes" / "accelerate_cpu_2proc.yaml"), str(ROOT / "recipes" / "train_translation.py"),
-           "--sp_size", "2", "--max_pairs", "3000", "--vocab_size", "1000", "--max_steps", "16", "--eval_strategy", "steps", "--eval_steps", "8",
-           "--logging_steps", "4", "--warmup_steps", "4", "--per_device_train_batch_size", "32",
-           "--max_eval_samples", "16", "--max_test_samples", "16", "--test_num_beams", "2",
-           "--max_source_length", "24", "--max_target_length", "24", "--num_examples_to_print", "2",
-           "--data_cache_dir", str(out / "cache"), "--output_dir", str(out / "model")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "recipes" / "accelerate_cpu_2proc.yaml"),
+        str(ROOT / "recipes" / "train_translation.py"),
+        "--sp_size",
+        "2",
+        "--max_pairs",
+        "3000",
+        "--vocab_size",
+        "1000",
+        "--max_steps",
+        "16",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "8",
+        "--logging_steps",
+        "4",
+        "--warmup_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "32",
+        "--max_eval_samples",
+        "16",
+        "--max_test_samples",
+        "16",
+        "--test_num_beams",
+        "2",
+        "--max_source_length",
+        "24",
+        "--max_target_length",
+        "24",
+        "--num_examples_to_print",
+        "2",
+        "--data_cache_dir",
+        str(out / "cache"),
+        "--output_dir",
+        str(out / "model"),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -198,7 +283,13 @@ batch = tokenizer([translation_data.tokenize_en("I am here.")], return_tensors="
 out = model.generate(**batch, num_beams=2, max_length=24)
 print("TRANSLATION", repr(translation_data.decode_french(tokenizer, out.tolist())[0]))
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT)  # `recipes` from the repository root
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT,
+    )  # `recipes` from the repository root
     assert proc.returncode == 0 and "TRANSLATION" in proc.stdout, proc.stderr[-3000:]
     assert "seqpar" not in (model_dir / "config.json").read_text()

@@ -31,6 +31,8 @@ def test_sharded_checksums_are_compared_among_ranks_holding_the_same_shards():
     same = [[7, 10, 1, 5], [7, 20, 2, 5], [7, 10, 1, 5], [7, 20, 2, 5]]
     assert replica_weights.problems(same) == []
     apart = [[7, 10, 1, 5], [7, 20, 2, 5], [7, 11, 1, 5], [7, 20, 2, 5]]
-    assert replica_weights.problems(apart) == ["a checksum of the sharded parameters differs among ranks holding the "
-                                               "same shards: rank 0: 0000000a, rank 2: 0000000b"]
+    assert replica_weights.problems(apart) == [
+        "a checksum of the sharded parameters differs among ranks holding the "
+        "same shards: rank 0: 0000000a, rank 2: 0000000b"
+    ]
     assert "number of parameters" in replica_weights.problems([[7, 0, 0, 5], [7, 0, 0, 6]])[0]

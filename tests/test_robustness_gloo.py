@@ -12,12 +12,16 @@ import pytest
 
 FINGERPRINT = r"ranks of one replica .* got different batches or settings \("
 LAYOUTS = r"ranks disagree on the ParallelLayout they build \("
-ATTENTION_CHANGED = r"RuntimeError: the attention implementation of this patched model was changed to '{}' after patch_model"
+ATTENTION_CHANGED = (
+    r"RuntimeError: the attention implementation of this patched model was changed to '{}' after patch_model"
+)
 # the weights' checksum, compared with every forward's fingerprint: the same error on every rank
-WEIGHTS = (r"RuntimeError: ranks of one replica hold different weights \(a checksum of every parameter differs: "
-           r"rank 0: [0-9a-f]{8}, rank 1: [0-9a-f]{8}\): the replica has diverged\. Likely causes: a trainer that is "
-           r"not sequence-parallel aware .*train with seqpar_hf\.SequenceParallelTrainer .*optimizer settings .*differ "
-           r"per rank")
+WEIGHTS = (
+    r"RuntimeError: ranks of one replica hold different weights \(a checksum of every parameter differs: "
+    r"rank 0: [0-9a-f]{8}, rank 1: [0-9a-f]{8}\): the replica has diverged\. Likely causes: a trainer that is "
+    r"not sequence-parallel aware .*train with seqpar_hf\.SequenceParallelTrainer .*optimizer settings .*differ "
+    r"per rank"
+)
 # case -> message (regex) on every rank
 EXPECTED = {
     # layouts: compared before the mesh is built
@@ -28,7 +32,10 @@ EXPECTED = {
     "layout-sp-sizes-differ": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1",
     "layout-tp-vs-sp": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1; tp_size: rank 0: 1, rank 1: 2",
     "layout-one-rank-invalid": LAYOUTS + "sp_size: rank 0: 4, rank 1: 2",
-    "layouts-in-another-order": LAYOUTS + "sp_size: rank 0: 1, rank 1: 2.* \\| " + LAYOUTS + "sp_size: rank 0: 2, rank 1: 1",
+    "layouts-in-another-order": LAYOUTS
+    + "sp_size: rank 0: 1, rank 1: 2.* \\| "
+    + LAYOUTS
+    + "sp_size: rank 0: 2, rank 1: 1",
     "layout-bad-timeout": "ValueError: timeout=5: pass a positive datetime.timedelta",
     # the per-forward fingerprint, over the replica
     "different-lengths": FINGERPRINT + r"input_ids shapes differ: rank 0: \(3, 13\), rank 1: \(3, 11\)",
@@ -58,7 +65,8 @@ EXPECTED = {
     "causal-labels-much-longer": r"ValueError: labels of shape \(3, 11\) do not match input_ids of shape \(3, 3\)",
     "causal-labels-batch": r"ValueError: labels of shape \(2, 11\) do not match input_ids of shape \(3, 11\)",
     "shift-labels-shorter": r"ValueError: shift_labels of shape \(3, 10\) do not match input_ids of shape \(3, 11\)",
-    "position-ids-shorter": r"RuntimeError: position_ids of shape \(1, 10\) does not match input_ids of shape \(3, 11\)",
+    "position-ids-shorter": r"RuntimeError: position_ids of shape \(1, 10\) does not match input_ids of shape "
+    r"\(3, 11\)",
     "position-ids-batch": r"RuntimeError: position_ids of shape \(2, 11\) does not match input_ids",
     "attention-mask-shorter": r"ValueError: attention_mask of shape \(3, 10\) does not match input_ids .*pad a shorter",
     "empty-sequence": r"RuntimeError: input_ids of shape \(3, 0\) holds no token",
@@ -69,24 +77,24 @@ EXPECTED = {
     "id-past-vocab-second-half": r"IndexError: input_ids holds ids from 0 to 100, but the token embedding has 97 rows",
     "id-minus-one": r"IndexError: input_ids holds ids from -1 to \d+, but the token embedding has 97 rows",
     "label-past-vocab-second-half": r"IndexError: labels \(after the causal shift\) hold values from \d+ to 97, but "
-                                    "the LM head has 97 outputs",
+    "the LM head has 97 outputs",
     "label-minus-five": r"IndexError: labels \(after the causal shift\) hold values from -5 to",
     "seq2seq-decoder-longer-than-labels": r"ValueError: labels of shape \(3, 9\) do not match decoder_input_ids of "
-                                          r"shape \(3, 11\)",
+    r"shape \(3, 11\)",
     "seq2seq-labels-batch": r"RuntimeError: labels of shape \(2, 9\) and input_ids of shape \(3, 13\)",
     "seq2seq-empty-source": r"RuntimeError: input_ids of shape \(3, 0\) holds no token",
     "seq2seq-empty-labels": r"IndexError: labels of shape \(3, 0\) hold no token",
     "seq2seq-decoder-mask-shorter": r"ValueError: decoder_attention_mask of shape \(3, 5\) does not match labels of "
-                                    r"shape \(3, 9\)",
+    r"shape \(3, 9\)",
     "seq2seq-decoder-id-past-vocab": "IndexError: decoder_input_ids holds ids from 0 to 97, but the decoder's token "
-                                     "embedding has 97 rows",
+    "embedding has 97 rows",
     "seq2seq-label-past-vocab": r"IndexError: labels hold values from \d+ to 97, but the LM head has 97 outputs",
     "source-past-position-table": r"IndexError: input_ids has 200 tokens \(positions 0..199\), but "
-                                  r"encoder.embed_positions \(MarianSinusoidalPositionalEmbedding\) holds positions 0..127",
+    r"encoder.embed_positions \(MarianSinusoidalPositionalEmbedding\) holds positions 0..127",
     "bart-target-past-position-table": r"IndexError: labels has 129 tokens \(positions 0..128\), but "
-                                       r"decoder.embed_positions \(BartLearnedPositionalEmbedding\) holds positions 0..127",
+    r"decoder.embed_positions \(BartLearnedPositionalEmbedding\) holds positions 0..127",
     "gpt2-past-n-positions": r"IndexError: input_ids has 77 tokens \(positions 0..76\), but wpe \(Embedding\) holds "
-                             "positions 0..63",
+    "positions 0..63",
     "bad-id-without-check-inputs": "IndexError: input_ids holds ids from 0 to 100",
     # the patched model's structure and use
     "submodule-called-directly": "outside a sharded forward of the patched model.*sp_disabled",
@@ -94,21 +102,21 @@ EXPECTED = {
     "no-process-group": "no process group is initialised",
     # the Trainer: saves, resumes, output_dir, layout arguments
     "save-fails-plain": r"OSError: saving .*/plain/checkpoint-2 failed on rank 0 \(nothing was written to "
-                        r".*\): rank 0: OSError: \[Errno 28\] No space left on device",
+    r".*\): rank 0: OSError: \[Errno 28\] No space left on device",
     "save-fails-tp": r"OSError: saving .*/tp/checkpoint-2 failed on rank 0 .*No space left on device",
     "save-fails-fsdp": r"OSError: saving .*/fsdp/checkpoint-2 failed on rank 0 .*No space left on device",
     "resume-missing-weight-plain": r"RuntimeError: the checkpoint .*/plain/checkpoint-1 misses 1 weight\(s\) of the "
-                                   r"model: \['model.decoder.layers.0.encoder_attn.out_proj.bias'\]",
+    r"model: \['model.decoder.layers.0.encoder_attn.out_proj.bias'\]",
     "resume-missing-weight-tp": r"RuntimeError: the checkpoint .*/tp/checkpoint-1 misses 1 weight\(s\)",
     "resume-missing-weight-fsdp": r"RuntimeError: the checkpoint .*/fsdp/checkpoint-1 misses 1 weight\(s\)",
     "resume-unexpected-weight-plain": r"holds 1 the model does not have: \['model.no_such.weight'\]",
     "resume-numbered-optimizer-at-tp": r"ValueError: resuming from .*/plain/checkpoint-1 failed on ranks 0, 1: rank 0: "
-                                       r"ValueError: .*/plain/checkpoint-1/optimizer.pt was written at another layout "
-                                       r"and this run is at sp_size=1, tp_size=2, dp_size=1: it numbers the parameters "
-                                       r".* Resume at the layout it was written at \(tp_size=1 without FSDP\)",
+    r"ValueError: .*/plain/checkpoint-1/optimizer.pt was written at another layout "
+    r"and this run is at sp_size=1, tp_size=2, dp_size=1: it numbers the parameters "
+    r".* Resume at the layout it was written at \(tp_size=1 without FSDP\)",
     "resume-truncated-weights-tp": r"ValueError: resuming from .*/tp/checkpoint-1 failed on ranks 0, 1: rank 0: "
-                                   r"ValueError: .*/tp/checkpoint-1/model.safetensors cannot be read "
-                                   r"\(SafetensorError: .*\): the file is truncated or corrupt",
+    r"ValueError: .*/tp/checkpoint-1/model.safetensors cannot be read "
+    r"\(SafetensorError: .*\): the file is truncated or corrupt",
     "save-model-fails": r"OSError: saving the model to .*plain-final failed on rank 0: rank 0: OSError: \[Errno 28\]",
     "output-dir-unwritable": r"NotADirectoryError: creating output_dir '.*a-file/out' failed on rank 0",
     "trainer-sp-sizes-differ": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1",
@@ -117,23 +125,35 @@ EXPECTED = {
     "learning-rates-differ": WEIGHTS,
     "tp-norm-differs": WEIGHTS,
     "generate-and-forward": r"^RuntimeError: ranks of one replica are in different calls of the patched model \(rank 0 "
-                            r"is in generate, rank 1 is in a forward\)\. Every rank of a replica must make the same "
-                            r"calls with the same batch \(every forward, and generate, on every rank together\); "
-                            r"otherwise their collectives would mix or hang\.$",
-    "trainer-learning-rates-differ": r"ValueError: ranks disagree on the training arguments \(SequenceParallelArguments: "
-                                     r"learning_rate: rank 0: 0\.001, rank 1: 0\.002\)\. Every rank must train with "
-                                     "the same arguments",
+    r"is in generate, rank 1 is in a forward\)\. Every rank of a replica must make the same "
+    r"calls with the same batch \(every forward, and generate, on every rank together\); "
+    r"otherwise their collectives would mix or hang\.$",
+    "trainer-learning-rates-differ": r"ValueError: ranks disagree on the training arguments "
+    r"\(SequenceParallelArguments: learning_rate: rank 0: 0\.001, rank 1: 0\.002\)\. Every rank must train with "
+    "the same arguments",
     "tokenizers-differ": r"ValueError: ranks disagree on the tokenizer \(tokenizer sha256: rank 0: '[0-9a-f]{16}', "
-                         r"rank 1: '[0-9a-f]{16}'\)\. Nodes that each built --data_cache_dir can train different BPE "
-                         r"merges: build the cache on one node .* and copy it to the others",
+    r"rank 1: '[0-9a-f]{16}'\)\. Nodes that each built --data_cache_dir can train different BPE "
+    r"merges: build the cache on one node .* and copy it to the others",
 }
 # seconds, on the 2-core machine (shared: loads of 10 seen): the check itself; more where a Trainer trains or
 # saves first, and where the process group is torn down (no-process-group)
-SECONDS = {"save-fails-plain": 20, "save-fails-tp": 20, "save-fails-fsdp": 20, "output-dir-unwritable": 10,
-           "trainer-sp-sizes-differ": 10, "unsupported-attention": 5, "submodule-called-directly": 5,
-           "no-process-group": 10, "plain-trainer-diverges": 20, "learning-rates-differ": 5, "tp-norm-differs": 5,
-           "generate-and-forward": 5, "trainer-learning-rates-differ": 10, "resume-numbered-optimizer-at-tp": 5,
-           "resume-truncated-weights-tp": 5}
+SECONDS = {
+    "save-fails-plain": 20,
+    "save-fails-tp": 20,
+    "save-fails-fsdp": 20,
+    "output-dir-unwritable": 10,
+    "trainer-sp-sizes-differ": 10,
+    "unsupported-attention": 5,
+    "submodule-called-directly": 5,
+    "no-process-group": 10,
+    "plain-trainer-diverges": 20,
+    "learning-rates-differ": 5,
+    "tp-norm-differs": 5,
+    "generate-and-forward": 5,
+    "trainer-learning-rates-differ": 10,
+    "resume-numbered-optimizer-at-tp": 5,
+    "resume-truncated-weights-tp": 5,
+}
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +169,16 @@ def test_bad_input_raises_on_every_rank_quickly(bad, case):
         assert seconds < SECONDS.get(case, 1.0), seconds
 
 
-@pytest.mark.parametrize("case", ["plain-trainer-diverges", "learning-rates-differ", "tp-norm-differs",
-                                  "generate-and-forward", "trainer-learning-rates-differ"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain-trainer-diverges",
+        "learning-rates-differ",
+        "tp-norm-differs",
+        "generate-and-forward",
+        "trainer-learning-rates-differ",
+    ],
+)
 def test_diverging_ranks_raise_the_same_error_on_every_rank(bad, case):
     assert bad[0][case][0] == bad[1][case][0]
 
@@ -177,8 +205,11 @@ def test_a_failed_save_leaves_no_checkpoint_to_resume_from(bad, path):
 def test_a_rank_that_skips_a_forward_makes_the_other_fail_with_the_reason(bad):
     """The one rank that waits raises when the group's timeout (here 2 s) is over, saying why ranks get there."""
     message, seconds = bad[0]["rank-skips-a-forward"]
-    assert re.search(r"rank 0 timed out in the batch check at the start of a forward: the other ranks of its group "
-                     r"never joined .*disagreed.*Timed out waiting 2000ms", message), message
+    assert re.search(
+        r"rank 0 timed out in the batch check at the start of a forward: the other ranks of its group "
+        r"never joined .*disagreed.*Timed out waiting 2000ms",
+        message,
+    ), message
     assert 2 <= seconds < 4, seconds
 
 
@@ -187,10 +218,19 @@ def odd(spawned):
     return [r["odd"] for r in spawned("misc", 2)]
 
 
-@pytest.mark.parametrize("case,tol", [("batch-size-1", 1e-5), ("shorter-than-sp", 1e-5), ("shard-all-padding", 1e-5),
-                                      ("labels-ignored-on-one-rank", 1e-5), ("labels-ignored-everywhere", 0),
-                                      ("bf16", 2e-2),  # bf16: different summation order, 8 mantissa bits
-                                      ("inputs-embeds", 1e-5), ("bart-at-position-table", 1e-5)])
+@pytest.mark.parametrize(
+    "case,tol",
+    [
+        ("batch-size-1", 1e-5),
+        ("shorter-than-sp", 1e-5),
+        ("shard-all-padding", 1e-5),
+        ("labels-ignored-on-one-rank", 1e-5),
+        ("labels-ignored-everywhere", 0),
+        ("bf16", 2e-2),  # bf16: different summation order, 8 mantissa bits
+        ("inputs-embeds", 1e-5),
+        ("bart-at-position-table", 1e-5),
+    ],
+)
 def test_odd_input_matches_the_unpatched_model(odd, case, tol):
     for rank_results in odd:
         got, want = rank_results[case]

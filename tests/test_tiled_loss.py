@@ -23,8 +23,10 @@ def _pair(family: str, tiled, patch=None, **model_kwargs):
     return model, reference
 
 
-@pytest.mark.parametrize("family,smoothing", [("marian", 0.0), ("marian", 0.1), ("llama", 0.0), ("llama", 0.1),
-                                              ("gemma2", 0.0), ("m2m100", 0.0)])
+@pytest.mark.parametrize(
+    "family,smoothing",
+    [("marian", 0.0), ("marian", 0.1), ("llama", 0.0), ("llama", 0.1), ("gemma2", 0.0), ("m2m100", 0.0)],
+)
 def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing):
     model, reference = _pair(family, True, dict(tiled_chunk_elements=VOCAB * 4))  # several chunks
     batch = make_batch(family, seed=3, **(dict(left_pad=False) if family == "gemma2" else {}))
@@ -36,8 +38,9 @@ def test_tiled_loss_equals_plain_loss_and_gradients(family, smoothing):
         logits, targets = expected_logits, labels
     else:
         logits, targets = expected_logits[:, :-1], labels[:, 1:]
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                                 label_smoothing=smoothing)
+    expected = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=smoothing
+    )
     out.loss.backward()
     expected.backward()
     assert relative_error(out.loss.detach(), expected.detach()) < TOL
@@ -78,6 +81,7 @@ def test_tiled_loss_never_holds_the_logits():
         def pack(t):
             largest[0] = max(largest[0], t.numel())
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**batch).loss.backward()
         saved[tiled] = largest[0]

@@ -26,6 +26,7 @@ def results(spawned):
             cache[size]["refusals"] = [r.get("refusals") for r in per_rank]
             cache[size]["regather"] = [r.get("regather") for r in per_rank]
         return cache[size]
+
     return get
 
 
@@ -44,16 +45,21 @@ def refusals(results):
     return results(2)["refusals"][0]
 
 
-@pytest.mark.parametrize("case,message", [
-    ("kv-heads", "4 query and 1 key/value heads, not divisible by tp_size=2.*tp_size dividing 1"),
-    ("heads", "3 query and 3 key/value heads, not divisible by tp_size=2"),
-    ("fused-qkv", "Phi3ForCausalLM's plan entry 'layers.\\*.self_attn.qkv_proj'.*not supported.*tp_size=1"),
-    # transformers 5.24's plan names the experts; 5.25's leaves the router unsharded: refused either way
-    ("experts", "MixtralForCausalLM's plan entry.*experts.*not supported|does not shard layers.0.mlp.gate.weight"),
-    ("world", "world size 2 is not divisible by sp_size x tp_size = 2 x 2 = 4"),
-    ("inputs-embeds", "inputs_embeds with tensor parallelism.*pass input_ids")])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("kv-heads", "4 query and 1 key/value heads, not divisible by tp_size=2.*tp_size dividing 1"),
+        ("heads", "3 query and 3 key/value heads, not divisible by tp_size=2"),
+        ("fused-qkv", "Phi3ForCausalLM's plan entry 'layers.\\*.self_attn.qkv_proj'.*not supported.*tp_size=1"),
+        # transformers 5.24's plan names the experts; 5.25's leaves the router unsharded: refused either way
+        ("experts", "MixtralForCausalLM's plan entry.*experts.*not supported|does not shard layers.0.mlp.gate.weight"),
+        ("world", "world size 2 is not divisible by sp_size x tp_size = 2 x 2 = 4"),
+        ("inputs-embeds", "inputs_embeds with tensor parallelism.*pass input_ids"),
+    ],
+)
 def test_impossible_layouts_are_refused_with_the_numbers(refusals, case, message):
     import re
+
     assert refusals[case] is not None and re.search(message, refusals[case]), refusals[case]
 
 

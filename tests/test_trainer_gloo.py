@@ -47,7 +47,7 @@ def checks(worlds):
 def test_sp_group_reads_the_same_batches_and_dp_groups_split_the_data(checks, drop_last):
     r = checks[drop_last]
     epochs, sp = r["epochs"], r["sp_size"]
-    groups = [epochs[i:i + sp] for i in range(0, len(epochs), sp)]
+    groups = [epochs[i : i + sp] for i in range(0, len(epochs), sp)]
     for group in groups:
         assert all(e == group[0] for e in group)  # identical batches within an SP group
     seen = [x for group in groups for batch in group[0] for x in batch]
@@ -87,8 +87,8 @@ def plain_evals(worlds):
 @pytest.mark.parametrize("layout", list(RESUME))
 def test_resume_continues_the_same_curve_and_checkpoint_is_plain(worlds, plain_evals, layout):
     logs = worlds(2)["resume"][layout]
-    full = {(l["step"], k): l[k] for l in logs["full"] for k in KEYS if k in l}
-    resumed = {(l["step"], k): l[k] for l in logs["resumed"] for k in KEYS if k in l}
+    full = {(row["step"], k): row[k] for row in logs["full"] for k in KEYS if k in row}
+    resumed = {(row["step"], k): row[k] for row in logs["resumed"] for k in KEYS if k in row}
     after = {key: value for key, value in full.items() if key[0] > 3}
     assert after and all(abs(resumed[key] - value) <= TOL * abs(value) for key, value in after.items())
     final_eval = full[(6, "eval_loss")]
@@ -99,8 +99,13 @@ def test_resume_continues_the_same_curve_and_checkpoint_is_plain(worlds, plain_e
 def test_resume_at_another_tp_size_continues_the_same_curve(worlds, name):
     """A checkpoint written at tp 1 resumes at tp 2 and the other way (optimizer state converted by name): the
     steps after it log what the run that wrote it logged."""
-    full = {(l["step"], k): l[k] for l in worlds(2)["resume"][RESUME_ACROSS[name][0]]["full"] for k in KEYS if k in l}
-    resumed = {(l["step"], k): l[k] for l in worlds(2)["resume_across"][name] for k in KEYS if k in l}
+    full = {
+        (row["step"], k): row[k]
+        for row in worlds(2)["resume"][RESUME_ACROSS[name][0]]["full"]
+        for k in KEYS
+        if k in row
+    }
+    resumed = {(row["step"], k): row[k] for row in worlds(2)["resume_across"][name] for k in KEYS if k in row}
     after = {key: value for key, value in full.items() if key[0] > 3}
     assert after and all(abs(resumed[key] - value) <= TOL * abs(value) for key, value in after.items()), resumed
 

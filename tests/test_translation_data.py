@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from recipes import translation_data as td  # noqa: E402
+from recipes import translation_data as td  # noqa: E402 - after the repository joins sys.path
 
 METRIC_PATH = str(REPO / "metrics" / "sacrebleu_local")
 
@@ -125,7 +125,7 @@ def test_word_tokenize_needs_no_nltk_data(monkeypatch):
     monkeypatch.setattr(nltk, "download", forbidden)
     monkeypatch.setattr(nltk.data, "find", forbidden)
     monkeypatch.setattr(nltk.data, "load", forbidden)
-    assert td.tokenize_en("I can't go. He said \"no\".") == "I ca n't go. He said `` no '' ."
+    assert td.tokenize_en('I can\'t go. He said "no".') == "I ca n't go. He said `` no '' ."
     assert td.tokenize_fr("Je n'ai pas dit ça.") == "Je n'ai pas dit ça ."
 
 
@@ -189,6 +189,7 @@ def test_tokenizer_ids_do_not_depend_on_the_trainers_hash_order(small_tokenizer)
     import json
 
     from tokenizers import Tokenizer
+
     tokenizer, texts = small_tokenizer
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = state["model"]["vocab"]
@@ -202,11 +203,18 @@ def test_tokenizer_ids_do_not_depend_on_the_trainers_hash_order(small_tokenizer)
 def test_sentence_separator(small_tokenizer):
     """Documents with SEP between sentences on the model's sides; the text and references keep spaces, and
     decoding drops SEP, so document BLEU scores the same words."""
-    items = [{"en": "A b.", "en_tok": "A b .", "fr": "C d.", "fr_tok": "C d .", "fr_refs": ["C d."]},
-             {"en": "E.", "en_tok": "E .", "fr": "F.", "fr_tok": "F .", "fr_refs": ["F."]}]
+    items = [
+        {"en": "A b.", "en_tok": "A b .", "fr": "C d.", "fr_tok": "C d .", "fr_refs": ["C d."]},
+        {"en": "E.", "en_tok": "E .", "fr": "F.", "fr_tok": "F .", "fr_refs": ["F."]},
+    ]
     (doc,) = td.join_documents(items, 2, separator=True)
-    assert doc == {"en": "A b. E.", "en_tok": "A b . <sep> E .", "fr": "C d. F.", "fr_tok": "C d . <sep> F .",
-                   "fr_refs": ["C d. F."]}
+    assert doc == {
+        "en": "A b. E.",
+        "en_tok": "A b . <sep> E .",
+        "fr": "C d. F.",
+        "fr_tok": "C d . <sep> F .",
+        "fr_refs": ["C d. F."],
+    }
     tokenizer, texts = small_tokenizer
     tokenizer = td.add_separator(copy.deepcopy(tokenizer))
     ids = tokenizer(f"{texts[0]} {td.SEP} {texts[1]}")["input_ids"]
@@ -218,11 +226,18 @@ def test_sentence_separator(small_tokenizer):
 def test_sentence_markers(small_tokenizer, sample):
     """Numbered markers before each sentence of a document on the model's sides (never split by the BPE,
     dropped by decoding); the warm-start sentences start with one marker of 1..N on both sides."""
-    items = [{"en": "A b.", "en_tok": "A b .", "fr": "C d.", "fr_tok": "C d .", "fr_refs": ["C d."]},
-             {"en": "E.", "en_tok": "E .", "fr": "F.", "fr_tok": "F .", "fr_refs": ["F."]}]
+    items = [
+        {"en": "A b.", "en_tok": "A b .", "fr": "C d.", "fr_tok": "C d .", "fr_refs": ["C d."]},
+        {"en": "E.", "en_tok": "E .", "fr": "F.", "fr_tok": "F .", "fr_refs": ["F."]},
+    ]
     (doc,) = td.join_documents(items, 2, markers=True)
-    assert doc == {"en": "A b. E.", "en_tok": "<s1> A b . <s2> E .", "fr": "C d. F.", "fr_tok": "<s1> C d . <s2> F .",
-                   "fr_refs": ["C d. F."]}
+    assert doc == {
+        "en": "A b. E.",
+        "en_tok": "<s1> A b . <s2> E .",
+        "fr": "C d. F.",
+        "fr_tok": "<s1> C d . <s2> F .",
+        "fr_refs": ["C d. F."],
+    }
     with pytest.raises(ValueError, match="choose one"):
         td.join_documents(items, 2, separator=True, markers=True)
     tokenizer, texts = small_tokenizer
@@ -232,8 +247,9 @@ def test_sentence_markers(small_tokenizer, sample):
     assert markers == [len(tokenizer) - 3, len(tokenizer) - 2, len(tokenizer) - 1]
     assert ids[0] == markers[0] and ids.count(markers[2]) == 1
     assert tokenizer.batch_decode([ids], skip_special_tokens=True) == [f"{texts[0]} {texts[1]}"]
-    data = td.build_tokenized_splits(tokenizer, td.split_by_source(sample, seed=0), 200, 200, document_sentences=3,
-                                     markers=True)
+    data = td.build_tokenized_splits(
+        tokenizer, td.split_by_source(sample, seed=0), 200, 200, document_sentences=3, markers=True
+    )
     first = data["train"][0]
     assert [i for i in first["input_ids"] if i in markers] == [i for i in first["labels"] if i in markers] == markers
     for row in data["train_sentences"].select(range(50)):
@@ -245,7 +261,9 @@ def test_marker_order_in_generation():
     """--sentence_markers at generation: markers only in order, one per source sentence, no end before the
     last; a source without markers leaves the scores alone."""
     import torch
+
     from recipes.translation_training import SentenceMarkerOrder
+
     m1, m2, eos = 10, 11, 1
     source = torch.tensor([[m1, 5, m2, 6, eos], [m1, 5, eos, 0, 0], [5, 6, eos, 0, 0]])
     order = SentenceMarkerOrder(source, [m1, m2], eos)
@@ -264,7 +282,9 @@ def test_marker_order_in_generation():
 def test_build_tokenized_splits(small_tokenizer, sample):
     tokenizer, _ = small_tokenizer
     splits = td.split_by_source(sample, seed=0)
-    data = td.build_tokenized_splits(tokenizer, splits, max_source_length=24, max_target_length=20, document_sentences=3)
+    data = td.build_tokenized_splits(
+        tokenizer, splits, max_source_length=24, max_target_length=20, document_sentences=3
+    )
     assert set(data) == {"train", "validation", "test", "train_sentences"}
     assert len(data["train"]) == -(-len(splits["train"]) // 3)
     assert len(data["train_sentences"]) == len(splits["train"])  # the same pairs, one per row (the warm start)
@@ -298,7 +318,9 @@ def test_metric_loads_offline_and_uses_all_references(monkeypatch):
 
 
 def test_prepare_cache_hit(tmp_path):
-    args = dict(vocab_size=300, seed=0, document_sentences=2, max_source_length=32, max_target_length=32, max_pairs=2000)
+    args = dict(
+        vocab_size=300, seed=0, document_sentences=2, max_source_length=32, max_target_length=32, max_pairs=2000
+    )
     start = time.perf_counter()
     tokenizer, data = td.prepare(tmp_path, num_proc=1, **args)
     cold = time.perf_counter() - start

@@ -10,14 +10,29 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from .helpers.spawn import spawn  # noqa: E402
-from .runs.trl_trainers import CASES, run_many  # noqa: E402
+from .helpers.spawn import spawn
+from .runs.trl_trainers import CASES, run_many
 
 # fp32; DPO margins are differences of summed log-probs: compared with an absolute floor of 1e-6
 TOL, FLOOR = 1e-5, 1e-6
-KEYS = ("loss", "grad_norm", "eval_loss", "mean_token_accuracy", "entropy", "num_tokens", "eval_mean_token_accuracy",
-        "eval_entropy", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-        "logps/rejected", "eval_rewards/margins", "eval_logps/chosen")
+KEYS = (
+    "loss",
+    "grad_norm",
+    "eval_loss",
+    "mean_token_accuracy",
+    "entropy",
+    "num_tokens",
+    "eval_mean_token_accuracy",
+    "eval_entropy",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "eval_rewards/margins",
+    "eval_logps/chosen",
+)
 
 
 @pytest.fixture(scope="module")

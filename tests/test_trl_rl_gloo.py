@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from .helpers.spawn import spawn  # noqa: E402
-from .runs.rl_trainers import CASES, CASES_4, GENERATION, run_many  # noqa: E402
+from .helpers.spawn import spawn
+from .runs.rl_trainers import CASES, CASES_4, GENERATION, run_many
 
 # fp32. Losses near zero (RLOO's mean advantage, GRPO's first step) and tiny KLs: an absolute floor.
 TOL, FLOOR = 1e-5, 1e-6
@@ -48,7 +48,7 @@ def _assert_same_logs(ours: dict, reference: dict):
     compared = 0
     for got, want in zip(ours["logs"], reference["logs"]):
         assert got["step"] == want["step"]
-        assert set(got) == set(want), (set(got) ^ set(want))  # every metric, and nothing else
+        assert set(got) == set(want), set(got) ^ set(want)  # every metric, and nothing else
         for key, value in want.items():
             assert _close(got[key], value), (want["step"], key, value, got[key])
             compared += 1
@@ -98,12 +98,12 @@ def test_sampled_generation_gives_the_group_one_batch(runs):
 DIVERGENCES = {
     # at construction, before TRL's own init: the group settings compared across the ranks
     "num-generations-differ": r"^ValueError: ranks disagree on the training arguments \(SequenceParallelGRPOConfig: "
-                              r"num_generations: rank 0: 2, rank 1: 4\)\. Every rank must train with the same "
-                              "arguments",
+    r"num_generations: rank 0: 2, rank 1: 4\)\. Every rank must train with the same "
+    "arguments",
     # at the first generation batch, before its scoring's collectives: the prompts compared across the SP group
     "datasets-differ": r"^ValueError: ranks of one SP group hold different generation batches \(rank 0: 4 rows, sha256 "
-                       r"[0-9a-f]{8}, rank 1: 4 rows, sha256 [0-9a-f]{8}\)\. Every rank of an SP group must read the "
-                       r"same prompts",
+    r"[0-9a-f]{8}, rank 1: 4 rows, sha256 [0-9a-f]{8}\)\. Every rank of an SP group must read the "
+    r"same prompts",
 }
 
 

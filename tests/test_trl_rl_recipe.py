@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("trl")
 
+from recipes import grpo_long_context as recipe
+from recipes import plot_rewards
+
+from .runs.trl_trainers import tokenizer
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-
-from recipes import grpo_long_context as recipe  # noqa: E402 (after the importorskip)
-from recipes import plot_rewards  # noqa: E402
-
-from .runs.trl_trainers import tokenizer  # noqa: E402
 
 
 def test_prompts_hold_consecutive_sentences_and_the_first_as_reference():
@@ -41,20 +41,31 @@ def test_rewards():
 
 
 def test_plot_reads_the_log(tmp_path):
-    rows = [{"step": i, "time": 60.0 * i, "reward": 0.1 * i, "rewards/first_sentence/mean": 0.1 * i,
-             "rewards/first_words/mean": 0.0} for i in range(1, 6)]
+    rows = [
+        {
+            "step": i,
+            "time": 60.0 * i,
+            "reward": 0.1 * i,
+            "rewards/first_sentence/mean": 0.1 * i,
+            "rewards/first_words/mean": 0.0,
+        }
+        for i in range(1, 6)
+    ]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + [{"step": 5, "eval_reward": 1}]))
     out = plot_rewards.plot(plot_rewards.load(tmp_path), tmp_path / "reward.png", window=2, title="t")
     assert out.stat().st_size > 0
     assert plot_rewards.smooth([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max_pairs", "0"], "--max_pairs 0: must be >= 1 (pairs read from the data file; leave it out for all)"),
-    (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (BPE vocabulary size)"),
-    (["--num_kv_heads", "3"], "--num_kv_heads 3: must divide --num_heads"),
-    (["--sft_minutes", "-1"], "--sft_minutes -1.0: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_pairs", "0"], "--max_pairs 0: must be >= 1 (pairs read from the data file; leave it out for all)"),
+        (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (BPE vocabulary size)"),
+        (["--num_kv_heads", "3"], "--num_kv_heads 3: must divide --num_heads"),
+        (["--sft_minutes", "-1"], "--sft_minutes -1.0: must be >= 0"),
+    ],
+)
 def test_recipe_flags_checked_before_any_work(argv, message, tmp_path, capsys):
     """A bad flag is argparse's error (exit code 2) naming the value and what is allowed, before any work."""
     base = ["--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path)]
@@ -70,12 +81,46 @@ def test_recipe_end_to_end(tmp_path):
     import os
     import subprocess
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(RECIPES / "accelerate_cpu_2proc.yaml"), str(RECIPES / "grpo_long_context.py"), "--sp_size", "2",
-           "--max_pairs", "3000", "--vocab_size", "500", "--sentences_per_prompt", "4", "--max_prompts", "16",
-           "--eval_prompts", "2", "--hidden_size", "32", "--num_layers", "1", "--num_heads", "2", "--num_kv_heads",
-           "1", "--sft_minutes", "0.05", "--max_steps", "3", "--eval_steps", "2", "--max_completion_length", "4",
-           "--data_cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(RECIPES / "accelerate_cpu_2proc.yaml"),
+        str(RECIPES / "grpo_long_context.py"),
+        "--sp_size",
+        "2",
+        "--max_pairs",
+        "3000",
+        "--vocab_size",
+        "500",
+        "--sentences_per_prompt",
+        "4",
+        "--max_prompts",
+        "16",
+        "--eval_prompts",
+        "2",
+        "--hidden_size",
+        "32",
+        "--num_layers",
+        "1",
+        "--num_heads",
+        "2",
+        "--num_kv_heads",
+        "1",
+        "--sft_minutes",
+        "0.05",
+        "--max_steps",
+        "3",
+        "--eval_steps",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--data_cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=RECIPES.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -31,8 +31,9 @@ def test_auto_refuses_different_models_on_every_rank(results):
     for rank in results(2):
         assert "an auto layout has no groups of its own" in rank["auto"]["before"], rank
         assert "seqpar_hf.layout_of(model)" in rank["auto"]["before"], rank
-        assert "mode='auto': the ranks patched models with different attention heads" in (rank["auto"]["mismatch"]
-                                                                                          or ""), rank
+        assert "mode='auto': the ranks patched models with different attention heads" in (
+            rank["auto"]["mismatch"] or ""
+        ), rank
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -37,7 +37,7 @@ def _validation_error(model, batch):
     try:
         values = validate.extremes(family.kind, kw, labels, shift_labels, torch.device("cpu")).tolist()
         validate.check(family, kw, labels, shift_labels, values)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - likewise: its class is compared with the plain model's
         return exc
     return None
 
@@ -52,8 +52,19 @@ def test_validation_raises_what_the_unpatched_model_raises(name):
         assert plain is None and isinstance(ours, ValueError), (plain, ours)
     else:
         assert plain is not None and type(ours) is type(plain), (type(plain), plain, type(ours), ours)
-    tensor = next(k for k in ("decoder_attention_mask", "attention_mask", "shift_labels", "position_ids", "labels",
-                              "decoder_input_ids", "input_ids") if k in str(ours))
+    tensor = next(
+        k
+        for k in (
+            "decoder_attention_mask",
+            "attention_mask",
+            "shift_labels",
+            "position_ids",
+            "labels",
+            "decoder_input_ids",
+            "input_ids",
+        )
+        if k in str(ours)
+    )
     assert tensor and any(ch.isdigit() for ch in str(ours)), ours  # names the tensor and the sizes
 
 
@@ -80,8 +91,13 @@ def test_encoder_only_models_are_refused():
     """BertConfig has no is_causal: refused, not patched as causal (its masked-LM labels would have been
     shifted): the dry run sees its loss read the label at the same position."""
     from transformers import BertConfig, BertForMaskedLM
-    model = BertForMaskedLM(BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=40))
-    with pytest.raises(ValueError, match=r"BertForMaskedLM: its forward computes its loss against the label at the "
-                                         r"same position \(no shift\)"):
+
+    model = BertForMaskedLM(
+        BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"BertForMaskedLM: its forward computes its loss against the label at the "
+        r"same position \(no shift\)",
+    ):
         inspect_model(model)

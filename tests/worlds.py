@@ -42,31 +42,39 @@ def _only(cases: list[dict]) -> list[dict]:
 
 def misc() -> dict:
     from .runs import announce, randomness, robustness
-    return {"odd": robustness.odd_inputs(), "randomness": randomness.all_checks(), "announce": announce.all_checks(),
-            "bad": robustness.bad_inputs()}
+
+    return {
+        "odd": robustness.odd_inputs(),
+        "randomness": randomness.all_checks(),
+        "announce": announce.all_checks(),
+        "bad": robustness.bad_inputs(),
+    }
 
 
 def parity() -> dict:
-    from .runs import generation
+    from .runs import generation, ulysses
     from .runs import parity as cases
-    from .runs import ulysses
+
     out = {"cases": cases.run_cases(_only(cases.CASES[dist.get_world_size()]))}
     if os.environ.get(ONLY):
         return out
     out.update(ulysses=ulysses.all_checks(), generation=generation.all_checks(dist.get_world_size()))
     if dist.get_world_size() == 4:
         from .runs import ring
+
         out["ring"] = ring.all_checks()
     return out
 
 
 def packing() -> list[dict]:
     from .runs import packing as cases
+
     return cases.run_cases(_only(cases.CASES[dist.get_world_size()]))
 
 
 def tensor_parallel() -> dict:
     from .runs import tp
+
     out = {"cases": tp.run_cases(_only(tp.CASES[dist.get_world_size()]))}
     if dist.get_world_size() == 2 and not os.environ.get(ONLY):  # the refusals need a tp=2 layout
         out["refusals"] = tp.refusals()
@@ -76,42 +84,61 @@ def tensor_parallel() -> dict:
 
 def trainer(resume_dir: str) -> dict:
     from .runs import trainer as runs
+
     world = dist.get_world_size()
     out = {name: runs.run(**config) for name, (w, config) in runs.SETUPS.items() if w == world}
     if world == 2:
-        out["resume"] = {name: runs.resume_run(f"{resume_dir}/{name}", **config) for name, config in runs.RESUME.items()}
+        out["resume"] = {
+            name: runs.resume_run(f"{resume_dir}/{name}", **config) for name, config in runs.RESUME.items()
+        }
         out["resume_across"] = runs.resume_across(resume_dir)
         out["tp_generate"] = runs.tp_generation_check()
     if world == 4:
         from .runs import fsdp
+
         out["checks"] = {drop: runs.data_and_prediction_checks(drop) for drop in (False, True)}
         out["checks"]["fsdp"] = runs.data_and_prediction_checks(False, fsdp=True)
         out["loops"] = fsdp.run_loops(fsdp.LOOPS)
         if _has_trl():
             from .runs import rl_trainers as rl
+
             out["rl"] = rl.run_many([dict(sp=2, **rl.CASES_4[n][0]) for n in rl.CASES_4])
     return out
 
 
 def _has_trl() -> bool:
     import importlib.util
+
     return all(importlib.util.find_spec(m) is not None for m in ("trl", "peft"))
 
 
 def trl() -> dict:
-    from .runs import lora, rl_trainers as rl, trl_trainers as runs
-    return {"peft": lora.all_checks(), "trl": runs.run_many([dict(sp=2, **runs.CASES[n][0]) for n in runs.CASES]),
-            "rl": rl.run_many([dict(sp=2, **rl.CASES[n][0]) for n in rl.CASES]),
-            "rl_generation": rl.run_many([dict(sp=2, **rl.GENERATION[n][0]) for n in rl.GENERATION]),
-            "rl_divergences": rl.divergences()}
+    from .runs import lora
+    from .runs import rl_trainers as rl
+    from .runs import trl_trainers as runs
+
+    return {
+        "peft": lora.all_checks(),
+        "trl": runs.run_many([dict(sp=2, **runs.CASES[n][0]) for n in runs.CASES]),
+        "rl": rl.run_many([dict(sp=2, **rl.CASES[n][0]) for n in rl.CASES]),
+        "rl_generation": rl.run_many([dict(sp=2, **rl.GENERATION[n][0]) for n in rl.GENERATION]),
+        "rl_divergences": rl.divergences(),
+    }
 
 
-GROUPS = {"misc": (misc, 240), "parity": (parity, 480), "packing": (packing, 480),
-          "tensor_parallel": (tensor_parallel, 480), "trainer": (trainer, 720), "trl": (trl, 900)}
+GROUPS = {
+    "misc": (misc, 240),
+    "parity": (parity, 480),
+    "packing": (packing, 480),
+    "tensor_parallel": (tensor_parallel, 480),
+    "trainer": (trainer, 720),
+    "trl": (trl, 900),
+}
 
 
 def run(group: str, world: int, *args) -> list:
     """Every rank's result of `group` at `world` ranks (tests/helpers/spawn.py: never hangs)."""
     from .helpers.spawn import spawn
+
     fn, timeout = GROUPS[group]
     return spawn(fn, world, *args, timeout=timeout)

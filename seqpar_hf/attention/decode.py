@@ -16,8 +16,9 @@ from ..parallel.comm import all_gather_into, group_size
 from .kernels import merge
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def local_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, h, s_q, d], k [b, h_kv, n, d], v [b, h_kv, n, d_v] (this rank's keys), allowed [b or 1, 1, s_q, n]
     bool or None -> (out [b, h, s_q, d_v] fp32, lse [b, h, s_q] fp32). A row that sees no key here: out 0,
     lse -inf.
@@ -54,8 +55,9 @@ def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tenso
     return merged
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
-              group) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, group
+) -> torch.Tensor:
     """q [b, h, s_q, d] (replicated), k [b, h_kv, n_local, d], v [b, h_kv, n_local, d_v] (this rank's keys)
     -> [b, h, s_q, d_v] in q's dtype: attention over the union of every rank's keys."""
     out, lse = local_attention(q, k, v, allowed, scale)

@@ -11,9 +11,9 @@ import torch
 
 from ..parallel.layout import ParallelLayout
 from . import kernels
+from .heads import max_chunks
 from .pattern import MISSING, Pattern
 from .ring import RingPlan, ring_attention
-from .heads import max_chunks
 from .ulysses import auto_chunks, ulysses_attention
 
 
@@ -21,32 +21,45 @@ def ring_plan(layout: ParallelLayout, pattern: Pattern, device) -> RingPlan:
     """This rank's ring plan for `pattern`, built once per forward."""
     if pattern.ring is MISSING:
         spec, ring = pattern.spec, layout.sizes.ring_size
+        assert ring is not None  # a layout that attends is built (an auto layout never attends itself)
         q_index = spec.q.plan.ring_index(layout.ring_rank, device)  # [s_q / ring] global positions
         k_index = [spec.k.plan.ring_index(j, device) for j in range(ring)]
         pattern.ring = RingPlan.build(spec, layout.ring_group, layout.ring_ranks, layout.ring_rank, q_index, k_index)
     return pattern.ring
 
 
-def attend(layout: ParallelLayout, pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           scale: float, dropout: float) -> torch.Tensor:
+def attend(
+    layout: ParallelLayout,
+    pattern: Pattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
     """q [b, h, s_q/sp, d], k [b, h_kv, s_k/sp, d], v [b, h_kv, s_k/sp, d_v] (this rank's tokens; v's width
     may differ from q/k's, as in multi-head latent attention) -> [b, h, s_q/sp, d_v]."""
     if layout.sizes.ring_size == 1:
+
         def inner(q, k, v, kv_for_q):
             return kernels.attention(q, k, v, pattern, scale, dropout, kv_for_q)
     else:
         if dropout > 0:
-            raise NotImplementedError(f"ring attention does not support attention dropout (got {dropout}); set the "
-                                      "model's attention_dropout to 0 or use mode='ulysses'")
+            raise NotImplementedError(
+                f"ring attention does not support attention dropout (got {dropout}); set the "
+                "model's attention_dropout to 0 or use mode='ulysses'"
+            )
         plan = ring_plan(layout, pattern, q.device)
 
         def inner(q, k, v, kv_for_q):
             return ring_attention(q, k, v, plan, scale, kv_for_q)
+
     if layout.ulysses_size == 1:
         rep = q.shape[1] // k.shape[1]
         return inner(q, k, v, None if rep == 1 else tuple(i // rep for i in range(q.shape[1])))
-    return ulysses_attention(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner,
-                             head_chunks(layout, q, k, v, dropout))
+    return ulysses_attention(
+        q, k, v, layout.ulysses_group, layout.ulysses_rank, inner, head_chunks(layout, q, k, v, dropout)
+    )
 
 
 def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> int:
@@ -56,6 +69,7 @@ def head_chunks(layout: ParallelLayout, q: torch.Tensor, k: torch.Tensor, v: tor
     if dropout > 0:
         return 1
     n = layout.ulysses_size
-    if setting == "auto":
+    assert n is not None  # a built layout (an auto layout never attends itself)
+    if isinstance(setting, str):  # "auto" (check_head_chunks lets no other string through)
         return auto_chunks(q, k, v, n)
     return min(setting, max_chunks(q.shape[1], n))

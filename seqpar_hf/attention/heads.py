@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -29,8 +30,10 @@ class HeadSplit:
 @lru_cache(maxsize=64)
 def split_heads(num_heads: int, num_kv_heads: int, n: int) -> HeadSplit:
     if num_heads < n:
-        raise ValueError(f"Ulysses over {n} ranks needs at least {n} attention heads, the model has {num_heads}; "
-                         f"use mode='hybrid' with ring_size so that sp_size // ring_size <= {num_heads}, or mode='ring'")
+        raise ValueError(
+            f"Ulysses over {n} ranks needs at least {n} attention heads, the model has {num_heads}; "
+            f"use mode='hybrid' with ring_size so that sp_size // ring_size <= {num_heads}, or mode='ring'"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     rep = num_heads // num_kv_heads
@@ -43,8 +46,9 @@ def split_heads(num_heads: int, num_kv_heads: int, n: int) -> HeadSplit:
         local = tuple((starts[r] + i) // rep - first for i in range(q_sizes[r]))
         kv_for_q.append(None if len(local) == last + 1 - first else local)
     send = tuple(h for rng in kv_ranges for h in rng)
-    return HeadSplit(q_sizes, tuple(len(x) for x in kv_ranges),
-                     None if send == tuple(range(num_kv_heads)) else send, tuple(kv_for_q))
+    return HeadSplit(
+        q_sizes, tuple(len(x) for x in kv_ranges), None if send == tuple(range(num_kv_heads)) else send, tuple(kv_for_q)
+    )
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,12 @@ def max_chunks(num_heads: int, n: int) -> int:
 def chunk_plan(num_heads: int, num_kv_heads: int, n: int, chunks: int = 1) -> ChunkPlan:
     split = split_heads(num_heads, num_kv_heads, n)
     if not 1 <= chunks <= max_chunks(num_heads, n):
-        raise ValueError(f"head_chunks={chunks}: each of the {n} Ulysses ranks holds at least "
-                         f"{min(split.q_sizes)} of the {num_heads} heads; use 1..{max_chunks(num_heads, n)}")
+        raise ValueError(
+            f"head_chunks={chunks}: each of the {n} Ulysses ranks holds at least "
+            f"{min(split.q_sizes)} of the {num_heads} heads; use 1..{max_chunks(num_heads, n)}"
+        )
     rep = num_heads // num_kv_heads
-    pieces = [[None] * n for _ in range(chunks)]
+    pieces: list[list[Any]] = [[None] * n for _ in range(chunks)]  # [chunk][rank]: every slot is filled below
     q_start = kv_row = 0
     for j in range(n):
         hq, first = split.q_sizes[j], q_start // rep
@@ -120,22 +126,32 @@ def chunk_plan(num_heads: int, num_kv_heads: int, n: int, chunks: int = 1) -> Ch
             use = (kv_of[lo], kv_of[hi - 1] + 1)
             rel = tuple(x - use[0] for x in kv_of[lo:hi])
             new = (done, use[1])
-            pieces[c][j] = Piece((q_start + lo, q_start + hi), (kv_row + new[0], kv_row + new[1]), (lo, hi), new, use,
-                                 None if rel == tuple(range(hi - lo)) else rel)
+            pieces[c][j] = Piece(
+                (q_start + lo, q_start + hi),
+                (kv_row + new[0], kv_row + new[1]),
+                (lo, hi),
+                new,
+                use,
+                None if rel == tuple(range(hi - lo)) else rel,
+            )
             lo, done = hi, use[1]
         q_start += hq
         kv_row += split.kv_sizes[j]
-    runs, keys = [], ([], [], [])
+    runs: list[list[Run]] = []
+    keys: tuple[list, list, list] = ([], [], [])
     for c, chunk in enumerate(pieces):
         runs.append([])
         before = [0, 0, 0]
         for p in chunk:
             g0 = p.kv[0] if split.kv_send is None or not p.kv_heads else split.kv_send[p.kv[0]]  # global kv head
-            for kind, (lo, hi), dest in ((0, p.q, p.q[0]), (1, (g0, g0 + p.kv_heads), p.kv[0]),
-                                         (2, (g0, g0 + p.kv_heads), p.kv[0])):
+            for kind, (lo, hi), dest in (
+                (0, p.q, p.q[0]),
+                (1, (g0, g0 + p.kv_heads), p.kv[0]),
+                (2, (g0, g0 + p.kv_heads), p.kv[0]),
+            ):
                 if hi > lo:
                     keys[kind].append((dest, c, len(runs[c])))
-                    runs[c].append(Run(kind, lo, hi, tuple(before)))
+                    runs[c].append(Run(kind, lo, hi, (before[0], before[1], before[2])))
                     before[kind] += hi - lo
     order = tuple(tuple((c, i) for _, c, i in sorted(k)) for k in keys)
     return ChunkPlan(split, tuple(tuple(p) for p in pieces), kv_row, tuple(tuple(r) for r in runs), order)

@@ -34,8 +34,15 @@ def _expand_kv(q, k, v, kv_for_q, mask_present: bool):
     return k.index_select(1, index), v.index_select(1, index), False  # [b, h_kv, s, d] -> [b, h, s, d]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float, dropout: float,
-              kv_for_q: tuple[int, ...] | None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    scale: float,
+    dropout: float,
+    kv_for_q: tuple[int, ...] | None,
+) -> torch.Tensor:
     """q [b, h, S_q, d], k/v [b, h_kv, S_k, d] over whole padded sequences -> [b, h, S_q, d].
 
     `kv_for_q` gives each query head's kv head (grouped-query attention); None: one to one.
@@ -53,8 +60,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Patter
             return out
     mask, is_causal = pattern.full_mask(q.device)
     k, v, gqa = _expand_kv(q, k, v, kv_for_q, mask is not None)
-    return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and q.shape[2] > 1, scale=scale,
-                enable_gqa=gqa)
+    return sdpa(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and q.shape[2] > 1, scale=scale, enable_gqa=gqa
+    )
 
 
 def unmasked(q, k, v, causal: bool, scale: float, kv_for_q=None) -> torch.Tensor:
@@ -90,8 +98,11 @@ def _buckets(docs: DocumentBatch) -> list[DocumentBatch]:
     for u in torch.unique(key).tolist():
         sel = (key == u).nonzero().flatten()
         mq, mk = int(lq[sel].max()), int(lk[sel].max())
-        out.append(DocumentBatch(docs.q_index[sel, :mq], docs.q_valid[sel, :mq], docs.k_index[sel, :mk],
-                                 docs.k_valid[sel, :mk]))
+        out.append(
+            DocumentBatch(
+                docs.q_index[sel, :mq], docs.q_valid[sel, :mq], docs.k_index[sel, :mk], docs.k_valid[sel, :mk]
+            )
+        )
     return out
 
 
@@ -104,21 +115,23 @@ def _by_document(q, k, v, pattern: Pattern, scale, dropout, kv_for_q):
     if pattern.documents is MISSING:
         docs = DocumentBatch.build(spec.q, spec.k)
         buckets = None if docs is None else _buckets(docs)
-        if buckets is not None and DOCUMENT_WORK_RATIO * sum(d.q_valid.numel() * d.k_valid.shape[1] for d in buckets) > \
-                q.shape[0] * spec.q.plan.padded * spec.k.plan.padded:
+        if (
+            buckets is not None
+            and DOCUMENT_WORK_RATIO * sum(d.q_valid.numel() * d.k_valid.shape[1] for d in buckets)
+            > q.shape[0] * spec.q.plan.padded * spec.k.plan.padded
+        ):
             buckets = None  # short rows: one row-long mask is cheaper
         plans = []
         for d in buckets or ():
             lq, lk = d.q_valid.shape[1], d.k_valid.shape[1]
+            mask: str | torch.Tensor
             if spec.causal and spec.window is None:
                 mask = "causal"  # padding sits at each document's end: causal queries never reach it
             else:
                 mask = d.k_valid[:, None, None, :]  # [n, 1, 1, Lk]
                 i, j = torch.arange(lq, device=q.device)[:, None], torch.arange(lk, device=q.device)[None, :]
-                if spec.causal:
-                    mask = mask & (j <= i) & (i - j < spec.window)
-                elif spec.window is not None:  # bidirectional window: |i - j| < w
-                    mask = mask & ((i - j).abs() < spec.window)
+                if spec.window is not None:  # causal: j <= i and i - j < w; bidirectional: |i - j| < w
+                    mask = mask & ((j <= i) & (i - j < spec.window) if spec.causal else (i - j).abs() < spec.window)
             plans.append((d, mask, d.q_index[d.q_valid]))
         pattern.documents = (plans, torch.cat([index for _, _, index in plans])) if plans else None
     if pattern.documents is None:
@@ -135,8 +148,16 @@ def _by_document(q, k, v, pattern: Pattern, scale, dropout, kv_for_q):
 
     outs = []
     for docs, mask, _ in plans:
-        out = sdpa(gather(flat_q, docs.q_index), gather(flat_k, docs.k_index), gather(flat_v, docs.k_index),
-                   attn_mask=None if causal else mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
+        out = sdpa(
+            gather(flat_q, docs.q_index),
+            gather(flat_k, docs.k_index),
+            gather(flat_v, docs.k_index),
+            attn_mask=None if causal else mask,
+            dropout_p=dropout,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
         outs.append(out.transpose(1, 2)[docs.q_valid])  # [n, h, Lq, d] -> [real queries, h, d]
     d_v = v.shape[3]
     full = outs[0].new_zeros(b * s_q, h, d_v).index_copy(0, q_rows, torch.cat(outs))
@@ -151,8 +172,12 @@ def _varlen(q, k, v, pattern: Pattern, scale, kv_for_q):
     varlen_attn = _compat.varlen_attention()
     if varlen_attn is None or spec.q is not spec.k or spec.q.doc is None and spec.window is None:
         return None
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256 \
-            or v.shape[-1] != q.shape[-1]:
+    if (
+        q.dtype not in (torch.float16, torch.bfloat16)
+        or q.shape[-1] % 8
+        or q.shape[-1] > 256
+        or v.shape[-1] != q.shape[-1]
+    ):
         return None  # flash kernels: half precision, one head dim (v's too) a multiple of 8 up to 256
     if pattern.segments is MISSING:
         pattern.segments = segments(spec.q)
@@ -215,10 +240,10 @@ def block_forward(q, k, v, bias, causal: bool, scale: float):
         return math_forward(q, k, v, bias, causal, scale)
     if q.device.type == "cpu":
         out, lse = ops[0](*_one_width(q, k, v), 0.0, causal, attn_mask=bias, scale=scale)
-        return out[..., :v.shape[-1]], lse
+        return out[..., : v.shape[-1]], lse
     b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
     out, lse, _, _ = ops[0](q, k, v, b, True, 0.0, causal, scale=scale)
-    return out, lse[..., :q.shape[2]].to(accumulation_dtype(q.dtype))
+    return out, lse[..., : q.shape[2]].to(accumulation_dtype(q.dtype))
 
 
 def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
@@ -233,8 +258,9 @@ def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
     b = None if bias is None else _aligned_bias(bias.expand(q.shape[0], q.shape[1], -1, -1))
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     # no bias: None (an undefined tensor); an empty one counts as given and fails the kernel's shape check
-    dq, dk, dv, _ = ops[1](dout, q, k, v, b, out,
-                           lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+    dq, dk, dv, _ = ops[1](
+        dout, q, k, v, b, out, lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal, scale=scale
+    )
     return dq, dk, dv
 
 

@@ -34,6 +34,7 @@ def _call(fn, q, kv) -> torch.Tensor | None:
 def _reach(fn, sign: int) -> int | None:
     """The smallest distance d >= 1 such that the query does not see the key d tokens away (sign +1:
     in the past, -1: in the future); None if it sees keys as far as _FAR. Binary search on scalars."""
+
     def sees(d: int) -> bool | None:
         q, kv = (torch.tensor(d), torch.tensor(0)) if sign > 0 else (torch.tensor(0), torch.tensor(d))
         out = _call(fn, q, kv)

@@ -60,7 +60,11 @@ class MaskSpec:
         if self.k.valid is not None:
             mask = self.k.valid.index_select(1, k_idx)[:, None, None, :]  # [b, 1, 1, s_k]
         if self.q.doc is not None:
-            same = self.q.doc.index_select(1, q_idx)[:, None, :, None] == self.k.doc.index_select(1, k_idx)[:, None, None, :]
+            assert self.k.doc is not None  # packed rows: both sides carry their documents
+            same = (
+                self.q.doc.index_select(1, q_idx)[:, None, :, None]
+                == self.k.doc.index_select(1, k_idx)[:, None, None, :]
+            )
             mask = both(mask, same)  # [b, 1, s_q, s_k]
         if causal:
             mask = both(mask, q_idx[:, None] >= k_idx[None, :])
@@ -76,6 +80,7 @@ class MaskSpec:
         s_q, s_k = self.q.plan.padded, self.k.plan.padded
         only_padding = self.q.doc is None and self.window is None
         if only_padding and not self.causal:
+            assert self.k.valid is not None  # not trivial, no documents, no window: padding it is
             return self.k.valid[:, None, None, :], False  # [b, 1, 1, s_k]: broadcast over queries
         q_idx = torch.arange(s_q, device=device)
         k_idx = torch.arange(s_k, device=device)
@@ -128,6 +133,7 @@ class DocumentBatch:
     @staticmethod
     def _side(meta: SeqMeta):
         doc = meta.doc
+        assert doc is not None  # reached for packed rows only (kernels: `spec.q.doc is not None`)
         real = doc >= 0 if meta.valid is None else (doc >= 0) & meta.valid
         b, s = doc.shape
         group = torch.where(real, torch.arange(b, device=doc.device)[:, None] * (s + 1) + doc, -1).flatten()
@@ -141,7 +147,7 @@ class DocumentBatch:
         return groups, index, valid
 
     @classmethod
-    def build(cls, q: SeqMeta, k: SeqMeta) -> "DocumentBatch | None":
+    def build(cls, q: SeqMeta, k: SeqMeta) -> DocumentBatch | None:
         """None when the two sides do not hold the same documents (e.g. a pair empty on one side)."""
         q_groups, q_index, q_valid = cls._side(q)
         if k is q:

@@ -9,6 +9,7 @@ field, `MISSING` until a kernel first needs it (None is a result: "does not appl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .masks import MaskSpec
 
@@ -18,10 +19,11 @@ MISSING = object()  # not built yet
 @dataclass(eq=False)
 class Pattern:
     spec: MaskSpec
-    full: object = MISSING  # (mask [b, 1, S_q, S_k] bool | None, is_causal): SDPA over whole sequences
-    documents: object = MISSING  # (per length group: (DocumentBatch, mask, query rows), all query rows) | None
-    segments: object = MISSING  # (cu_seqlens [n+1] int32, longest segment) for the varlen kernel | None
-    ring: object = MISSING  # this rank's RingPlan
+    # Any: each holds MISSING until built, then what its comment says
+    full: Any = MISSING  # (mask [b, 1, S_q, S_k] bool | None, is_causal): SDPA over whole sequences
+    documents: Any = MISSING  # (per length group: (DocumentBatch, mask, query rows), all query rows) | None
+    segments: Any = MISSING  # (cu_seqlens [n+1] int32, longest segment) for the varlen kernel | None
+    ring: Any = MISSING  # this rank's RingPlan
 
     def full_mask(self, device):
         if self.full is MISSING:

@@ -70,14 +70,14 @@ class Pack(torch.autograd.Function):
         ctx.plan, ctx.shapes = plan, (q.shape, k.shape, v.shape)
         sources = [x.permute(1, 0, 2, 3) for x in (q, k, v)]  # [heads, b, s, d] views
         if q.shape[2:] == k.shape[2:] == v.shape[2:]:  # head rows of one size: one copy
-            return tuple(torch.cat([sources[r.kind][r.lo:r.hi] for r in runs]).view(-1) for runs in plan.runs)
+            return tuple(torch.cat([sources[r.kind][r.lo : r.hi] for r in runs]).view(-1) for runs in plan.runs)
         per = tuple(x[:, :1].numel() for x in (q, k, v))  # elements of one head
         sends = []
         for runs in plan.runs:  # rows of different sizes: s_q != s_k (cross-attention), d != d_v (MLA)
             buf = q.new_empty(sum((r.hi - r.lo) * per[r.kind] for r in runs))
             for r in runs:
-                off, x = _offset(r, per), sources[r.kind][r.lo:r.hi]
-                buf[off:off + x.numel()].view(x.shape).copy_(x)
+                off, x = _offset(r, per), sources[r.kind][r.lo : r.hi]
+                buf[off : off + x.numel()].view(x.shape).copy_(x)
             sends.append(buf)
         return tuple(sends)
 
@@ -95,7 +95,7 @@ class Pack(torch.autograd.Function):
             if grad is None:
                 return like.new_zeros(b, s, m, d)
             off = _offset(r, per)
-            return grad[off:off + m * per[r.kind]].view(m, b, s, d).permute(1, 2, 0, 3)
+            return grad[off : off + m * per[r.kind]].view(m, b, s, d).permute(1, 2, 0, 3)
 
         # [b, s, heads, d] in head (kv: send-row) order -> [b, heads, s, d]
         dq, dk, dv = (torch.cat([run(c, i) for c, i in order], dim=2).transpose(1, 2) for order in plan.order)
@@ -130,7 +130,7 @@ class Land(torch.autograd.Function):
         token.wait()
         if s_q == s_k and d == d_v:  # one copy: [n, rows, b, s, d] -> [b, rows, n, s, d] -> [b, rows, n s, d]
             rows = recv.view(n, m + 2 * m_kv, b, s_q, d).permute(2, 1, 0, 3, 4).reshape(b, m + 2 * m_kv, n * s_q, d)
-            return rows[:, :m], rows[:, m:m + m_kv], rows[:, m + m_kv:]
+            return rows[:, :m], rows[:, m : m + m_kv], rows[:, m + m_kv :]
         parts = _parts(recv, dims)
         # each of q, k, v: [n, heads, b, s, d] -> [b, heads, n, s, d] -> [b, heads, n s, d]
         return tuple(x.permute(2, 1, 0, 3, 4).reshape(b, x.shape[1], n * x.shape[3], x.shape[4]) for x in parts)
@@ -195,7 +195,7 @@ class OutLand(torch.autograd.Function):
         for j in range(len(plan.pieces[0])):  # global head order: rank j's chunks in turn
             for c, chunk in enumerate(plan.pieces):
                 m = chunk[j].heads
-                parts.append(recvs[c][offsets[c]:offsets[c] + m].permute(1, 2, 0, 3))  # [m, b, s, d] -> [b, s, m, d]
+                parts.append(recvs[c][offsets[c] : offsets[c] + m].permute(1, 2, 0, 3))  # [m, b, s, d] -> [b, s, m, d]
                 offsets[c] += m
         return torch.cat(parts, dim=2).transpose(1, 2)
 
@@ -206,7 +206,7 @@ class OutLand(torch.autograd.Function):
         sends = [None] * plan.chunks
         for c in reversed(range(plan.chunks)):  # the last chunk's dO is needed first
             chunk = plan.pieces[c]
-            send = rows.contiguous() if plan.chunks == 1 else torch.cat([rows[p.q[0]:p.q[1]] for p in chunk])
+            send = rows.contiguous() if plan.chunks == 1 else torch.cat([rows[p.q[0] : p.q[1]] for p in chunk])
             mine = chunk[rank].heads
             ctx.tokens[c].start(send, [p.heads for p in chunk], [mine] * len(chunk), ctx.group, backward=True)
             sends[c] = send

@@ -43,8 +43,9 @@ class Block:
             return None
         self._bias = self._bias or {}
         if dtype not in self._bias:
-            self._bias[dtype] = torch.zeros(self.allowed.shape, dtype=dtype,
-                                            device=self.allowed.device).masked_fill(~self.allowed, float("-inf"))
+            self._bias[dtype] = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device).masked_fill(
+                ~self.allowed, float("-inf")
+            )
         return self._bias[dtype]
 
 
@@ -53,7 +54,7 @@ class RingPlan:
     """Everything a ring attention call needs besides q, k, v; identical on every ring rank up to
     `index`. `blocks[j]` is the work against ring rank j's keys (None: nothing to attend)."""
 
-    group: object
+    group: dist.ProcessGroup | None
     ranks: tuple[int, ...]  # global ranks in ring order
     index: int  # this rank's position in the ring
     blocks: list[Block | None]
@@ -69,14 +70,16 @@ class RingPlan:
         return self._kv_index[kv_for_q]
 
     @classmethod
-    def build(cls, spec: MaskSpec, group, ranks, index: int, q_index: torch.Tensor,
-              k_index: list[torch.Tensor]) -> "RingPlan":
+    def build(
+        cls, spec: MaskSpec, group, ranks, index: int, q_index: torch.Tensor, k_index: list[torch.Tensor]
+    ) -> RingPlan:
         """`q_index` [s_q]: global positions of the local queries; `k_index[j]` [s_k]: ring rank j's keys.
         Zigzag causal: own block causal; an earlier rank's block is seen whole by every query through
         its first chunk; a later rank's block is seen whole by the second query chunk only. Host syncs:
         two per masked block, once per forward."""
         zigzag = spec.causal and spec.q.plan.zigzag
-        s_q, blocks = q_index.numel(), []
+        s_q = q_index.numel()
+        blocks: list[Block | None] = []
         for source in range(len(ranks)):
             s_k = k_index[source].numel()
             rows, cols, causal = slice(0, s_q), slice(0, s_k), False
@@ -112,7 +115,11 @@ class Ring:
 
     def __init__(self, plan: RingPlan):
         n = len(plan.ranks)
-        self.group, self.next, self.prev = plan.group, plan.ranks[(plan.index + 1) % n], plan.ranks[(plan.index - 1) % n]
+        self.group, self.next, self.prev = (
+            plan.group,
+            plan.ranks[(plan.index + 1) % n],
+            plan.ranks[(plan.index - 1) % n],
+        )
 
     def start(self, send: torch.Tensor):
         recv = torch.empty_like(send)
@@ -134,8 +141,8 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def _unpack(flat: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `_pack`, as views: -> k [b, h_kv, s, d], v [b, h_kv, s, d_v]."""
-    k = flat[:k_shape.numel()]
-    return k.view(k_shape), flat[k_shape.numel():].view(v_shape)
+    k = flat[: k_shape.numel()]
+    return k.view(k_shape), flat[k_shape.numel() :].view(v_shape)
 
 
 def _expand(x: torch.Tensor, kv_index) -> torch.Tensor:
@@ -165,11 +172,17 @@ class RingAttention(torch.autograd.Function):
                 rows, cols = block.rows, block.cols
                 k_held, v_held = _unpack(kv, k.shape, v.shape)
                 kb, vb = _expand(k_held[:, :, cols], kv_index), _expand(v_held[:, :, cols], kv_index)
-                o, l = block_forward(q[:, :, rows].contiguous(), kb.contiguous(), vb.contiguous(), block.bias(q.dtype),
-                                     block.causal, scale)
+                o, block_lse = block_forward(
+                    q[:, :, rows].contiguous(),
+                    kb.contiguous(),
+                    vb.contiguous(),
+                    block.bias(q.dtype),
+                    block.causal,
+                    scale,
+                )
                 if block.valid_rows is not None:  # kernels report lse 0 for rows that saw no key: make it -inf
-                    l = l.masked_fill(~block.valid_rows, float("-inf"))
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+                    block_lse = block_lse.masked_fill(~block.valid_rows, float("-inf"))
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, block_lse)
             if pending is not None:
                 kv = Ring.wait(pending)
         # laid out as [b, s, h, d] in memory: the caller's transpose to [b, s, h, d] is then free, so the
@@ -198,14 +211,25 @@ class RingAttention(torch.autograd.Function):
                 rows, cols = block.rows, block.cols
                 k_held, v_held = _unpack(kv, k.shape, v.shape)
                 kb, vb = _expand(k_held[:, :, cols], kv_index), _expand(v_held[:, :, cols], kv_index)
-                dq_b, dk_b, dv_b = block_backward(dout[:, :, rows], q[:, :, rows].contiguous(), kb.contiguous(),
-                                                  vb.contiguous(), out[:, :, rows].contiguous(),
-                                                  lse[:, :, rows].contiguous(), block.bias(q.dtype), block.causal, scale)
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, rows],
+                    q[:, :, rows].contiguous(),
+                    kb.contiguous(),
+                    vb.contiguous(),
+                    out[:, :, rows].contiguous(),
+                    lse[:, :, rows].contiguous(),
+                    block.bias(q.dtype),
+                    block.causal,
+                    scale,
+                )
                 dq[:, :, rows] += dq_b.to(acc_dtype)
             # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
             # that transfer in flight while the kernel runs (the same additions, in the same order)
-            acc = torch.zeros(k.numel() + v.numel(), dtype=acc_dtype, device=k.device) if carried is None \
+            acc = (
+                torch.zeros(k.numel() + v.numel(), dtype=acc_dtype, device=k.device)
+                if carried is None
                 else Ring.wait(carried)
+            )
             if block is not None:
                 dk_acc, dv_acc = _unpack(acc, k.shape, v.shape)  # views: the sums land in `acc`
                 dk_acc[:, :, cols] += _reduce(dk_b.to(acc_dtype), kv_index, heads_kv)
@@ -217,8 +241,14 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
-                   kv_for_q: tuple[int, ...] | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: RingPlan,
+    scale: float,
+    kv_for_q: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """q [b, h, s_q, d], k [b, h_kv, s_k, d], v [b, h_kv, s_k, d_v] (this rank's blocks) -> [b, h, s_q, d_v]."""
     kv_index = plan.kv_index(kv_for_q, q.device)
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kv_index)

@@ -16,7 +16,7 @@ run while the kernel computes part c, forward and backward (`attention/pipeline.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,12 +54,19 @@ def _kv_for_chunk(parts: list[torch.Tensor], plan, rank: int, c: int) -> torch.T
         new = plan.pieces[i][rank].kv_new
         lo, hi = max(use[0], new[0]), min(use[1], new[1])
         if lo < hi:
-            pieces.append(parts[i][:, lo - new[0]:hi - new[0]])
+            pieces.append(parts[i][:, lo - new[0] : hi - new[0]])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
-def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
-                      inner: Callable[..., torch.Tensor], chunks: int = 1) -> torch.Tensor:
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group,
+    rank: int,
+    inner: Callable[..., torch.Tensor],
+    chunks: int = 1,
+) -> torch.Tensor:
     """query [b, h, s_q/n, d], key [b, h_kv, s_k/n, d], value [b, h_kv, s_k/n, d_v] -> [b, h, s_q/n, d_v].
 
     `inner(q, k, v, kv_for_q)` computes attention over the full sequence for some of this rank's
@@ -80,8 +87,10 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     def rows(c):  # (elements to each rank, elements from each rank) of chunk c
         mine = plan.pieces[c][rank]
-        return ([p.heads * per_q + p.kv_heads * per_kv for p in plan.pieces[c]],
-                [mine.heads * per_q + mine.kv_heads * per_kv] * n)
+        return (
+            [p.heads * per_q + p.kv_heads * per_kv for p in plan.pieces[c]],
+            [mine.heads * per_q + mine.kv_heads * per_kv] * n,
+        )
 
     pending = Send.apply(sends[0], *rows(0), group, tokens_in[0])
     ks, vs, outs = [], [], []
@@ -98,8 +107,9 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return OutLand.apply(plan, rank, group, tokens_out, *outs)  # [b, h, s_q/n, d_v]
 
 
-def ulysses_attention_separate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
-                               inner: Callable[..., torch.Tensor]) -> torch.Tensor:
+def ulysses_attention_separate(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int, inner: Callable[..., torch.Tensor]
+) -> torch.Tensor:
     """The same result with q, k, v and the output exchanged one by one (4 all-to-alls forward, 4
     backward): the path before the fused one, kept for the benchmarks."""
     split = split_heads(query.shape[1], key.shape[1], group_size(group))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
+from transformers import PreTrainedModel
 
 
 @dataclass
@@ -32,8 +33,8 @@ class PositionModule:
 @dataclass
 class ModelFamily:
     kind: str  # "seq2seq" or "causal"
-    pretrained: nn.Module  # the transformers model (a PeftModel's base model, or the model itself)
-    backbone: nn.Module  # the module that turns token ids into hidden states: where sequences are sharded
+    pretrained: PreTrainedModel  # the transformers model (a PeftModel's base model, or the model itself)
+    backbone: PreTrainedModel  # the module that turns token ids into hidden states: where sequences are sharded
     has_lm_head: bool  # pretrained computes logits (and a loss) on top of the backbone
     attention: list[AttentionModule]
     positions: list[PositionModule] = field(default_factory=list)

@@ -18,8 +18,8 @@ import torch
 
 from .. import _compat
 from ..attention.ulysses import split_heads
-from ..parallel.comm import all_gather_cat
 from ..parallel import announce, auto
+from ..parallel.comm import all_gather_cat
 from ..parallel.layout import ParallelLayout
 from .families import ModelFamily
 from .forward import positions
@@ -33,9 +33,15 @@ from .registry import register
 from .tp import tensor_parallel, tp_checks
 
 
-def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_loss: bool = True,
-                tiled_loss: bool | str = "auto", tiled_min_elements: int = TILED_LOSS_MIN_ELEMENTS,
-                tiled_chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS):
+def patch_model(
+    model,
+    layout: ParallelLayout,
+    check_inputs: bool = True,
+    lm_loss: bool = True,
+    tiled_loss: bool | str = "auto",
+    tiled_min_elements: int = TILED_LOSS_MIN_ELEMENTS,
+    tiled_chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS,
+):
     """Make `model` (this instance) sequence-parallel over `layout`'s SP group and return it.
 
     `model` is a causal or encoder-decoder LM (or its backbone, or a PEFT model wrapping one). Every
@@ -59,14 +65,16 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     if state is not None:
         if layout is state.layout or layout is state.requested:
             return model
-        raise ValueError(f"this model is already patched with {state.layout}; call seqpar_hf.unpatch_model(model) "
-                         f"before patching it with {layout}")
+        raise ValueError(
+            f"this model is already patched with {state.layout}; call seqpar_hf.unpatch_model(model) "
+            f"before patching it with {layout}"
+        )
     requested, sizes = layout, layout.sizes
     split = sizes.sp_size * sizes.tp_size > 1
     family = inspect_model(model, split=split, ring=(sizes.ring_size or 1) > 1)  # ring_size None: mode "auto"
     # from here on, the layout this model runs on: mode "auto" resolved for its heads (a new layout)
     layout = auto.resolve(requested, [(site.heads, site.kv_heads) for site in family.attention])
-    if layout is not requested and layout.sizes.ring_size > 1:
+    if layout is not requested and (layout.sizes.ring_size or 1) > 1:
         family = inspect_model(model, split=split, ring=True)  # "auto" chose a ring: prove its zigzag order too
     tp = layout.sizes.tp_size
     if tiled_loss not in (True, False, "auto"):
@@ -75,9 +83,11 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if tiled_loss is True and tp > 1:
-        raise ValueError(f"tiled_loss=True with tp_size={tp}: the tiled loss does not work with a tensor-parallel LM "
-                         "head (a DTensor module; its logits are gathered whole on every TP rank); use "
-                         "tiled_loss='auto' (off under TP) or False")
+        raise ValueError(
+            f"tiled_loss=True with tp_size={tp}: the tiled loss does not work with a tensor-parallel LM "
+            "head (a DTensor module; its logits are gathered whole on every TP rank); use "
+            "tiled_loss='auto' (off under TP) or False"
+        )
     _check_tiled_head(family, tiled_loss)
     if tp > 1:
         tensor_parallel.check(family, layout)
@@ -87,10 +97,18 @@ def patch_model(model, layout: ParallelLayout, check_inputs: bool = True, lm_los
     register()
     pretrained = family.pretrained
     attn_implementation = _compat.attn_implementation(pretrained.config)
+    assert attn_implementation is not None  # inspect_model checked it is one of ATTENTION_IMPLEMENTATIONS
     _own_config(pretrained)
-    state = PatchState(layout, family, attn_implementation, check_inputs,
-                       TiledLoss(tiled_loss, tiled_min_elements, tiled_chunk_elements), requested)
+    state = PatchState(
+        layout,
+        family,
+        attn_implementation,
+        check_inputs,
+        TiledLoss(tiled_loss, tiled_min_elements, tiled_chunk_elements),
+        requested,
+    )
     for site in family.attention:
+        assert site.q_side is not None and site.kv_side is not None  # along a sequence (else in local_attention)
         set_site(site.module, AttentionSite(state, site.name, site.q_side, site.kv_side, site.pattern))
     for site in family.local_attention:
         set_site(site.module, LocalSite(site.name, attn_implementation))
@@ -119,9 +137,11 @@ def unpatch_model(model):
     if state is None:
         return model
     if state.layout.sizes.tp_size > 1:
-        raise ValueError("a tensor-parallel model cannot be unpatched in place (its weights are sharded over the TP "
-                         "group); save it with seqpar_hf.training.checkpoint.full_model_state_dict / the trainer's "
-                         "save_model and load the checkpoint into a fresh model")
+        raise ValueError(
+            "a tensor-parallel model cannot be unpatched in place (its weights are sharded over the TP "
+            "group); save it with seqpar_hf.training.checkpoint.full_model_state_dict / the trainer's "
+            "save_model and load the checkpoint into a fresh model"
+        )
     family = state.family
     family.pretrained.set_attn_implementation(state.attn_implementation)
     for handle in state.hooks:
@@ -206,12 +226,16 @@ def _check_tiled_head(family: ModelFamily, tiled_loss) -> None:
     (models/forward/head.py); otherwise it is refused (True) or not used (auto, with a warning)."""
     if not family.has_lm_head or family.head_post is not None or tiled_loss is False:
         return
-    why = (f"{type(family.pretrained).__name__}'s forward post-processes the LM head's output in a way the tiled loss "
-           "does not reproduce (checked on the dry run's logits)")
+    why = (
+        f"{type(family.pretrained).__name__}'s forward post-processes the LM head's output in a way the tiled loss "
+        "does not reproduce (checked on the dry run's logits)"
+    )
     if tiled_loss is True:
         raise ValueError(f"tiled_loss=True: {why}; use tiled_loss=False")
-    warnings.warn(f"seqpar_hf: {why}; the loss is computed from full logits (tiled_loss='auto' does not tile this "
-                  "model)", stacklevel=3)
+    warnings.warn(
+        f"seqpar_hf: {why}; the loss is computed from full logits (tiled_loss='auto' does not tile this model)",
+        stacklevel=3,
+    )
 
 
 def _replace(state: PatchState, obj, name: str, value) -> None:

@@ -52,13 +52,16 @@ def _check_mask_pattern(mask_function) -> None:
             _CHECKED.add(key)
         return
     name = getattr(mask_function, "__name__", type(mask_function).__name__)
-    raise NotImplementedError(f"seqpar_hf shards causal, bidirectional and sliding-window attention; this model "
-                              f"asked for another mask pattern ({name!r}: chunked, prefix or custom masks are not "
-                              "supported)")
+    raise NotImplementedError(
+        f"seqpar_hf shards causal, bidirectional and sliding-window attention; this model "
+        f"asked for another mask pattern ({name!r}: chunked, prefix or custom masks are not "
+        "supported)"
+    )
 
 
-def sp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-            **kwargs):
+def sp_mask(
+    batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
+):
     """Mask function: no mask for the layers. Sequence-parallel attention takes padding, documents and
     windows from the forward's context (identical on every rank, so every rank makes the same decisions)."""
     if mask_function is not None:
@@ -66,30 +69,57 @@ def sp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_funct
     return None
 
 
-def sp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                 sliding_window=None, **kwargs):
+def sp_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, sliding_window=None, **kwargs
+):
     """Attention function: query [b, h, s_q/sp, d], key/value [b, h_kv, s_k/sp, d] -> [b, s_q/sp, h, d]."""
     site = site_of(module)
     if site is None:
-        raise RuntimeError(f"{type(module).__name__} has attn_implementation={ATTN_NAME!r} but was not patched by "
-                           "seqpar_hf.patch_model (a model rebuilt from a patched config?); build it from the "
-                           "original config, or patch the model itself")
+        raise RuntimeError(
+            f"{type(module).__name__} has attn_implementation={ATTN_NAME!r} but was not patched by "
+            "seqpar_hf.patch_model (a model rebuilt from a patched config?); build it from the "
+            "original config, or patch the model itself"
+        )
     if site.local:  # attention over a token's own states, not along the sequence: as the unpatched model
-        return site(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                    sliding_window=sliding_window, **kwargs)
+        return site(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     ctx = kwargs.get(CONTEXT_KWARG) or site.state.active or site.state.step
     if ctx is None:
         raise RuntimeError(
             f"seqpar_hf: the sequence-parallel attention of {site.name} ran outside a sharded forward of the patched "
             f"model: a submodule (the encoder, a decoder layer, ...) was called directly. Call the patched model or "
             f"its backbone, run the code inside `with seqpar_hf.sp_disabled(model):` (no SP, this rank's own data), "
-            f"or call seqpar_hf.unpatch_model(model) first")
+            f"or call seqpar_hf.unpatch_model(model) first"
+        )
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions is not available under sequence parallelism")
     causal, window = resolve(site, module, is_causal, sliding_window, kwargs)  # refuses keywords it would drop
     if isinstance(ctx, DecodeStep):  # a decoding step of generation under SP: nothing is sharded in it
-        return decoding.attend(site, module, query, key, value, attention_mask, ctx, dropout, scaling, is_causal,
-                               sliding_window, window, kwargs)
+        return decoding.attend(
+            site,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            ctx,
+            dropout,
+            scaling,
+            is_causal,
+            sliding_window,
+            window,
+            kwargs,
+        )
     out = site.attend(ctx, query, key, value, causal, window, scaling, dropout)  # [b, h, s_q/sp, d]
     if site.state.decoding is not None:  # the prompt's forward of generation: trim this layer's cache shard
         decoding.after_prefill_attention(site.state, module, window)

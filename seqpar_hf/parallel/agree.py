@@ -32,7 +32,7 @@ def _decode(row: list[int]) -> str:
     return bytes(b for b in row if b).decode("utf-8", "replace")
 
 
-def agreement_device(device_type: str) -> torch.device:
+def agreement_device(device_type: str | None) -> torch.device:
     """Where an agreement runs before a mesh exists. On CUDA, the device the mesh will pick (torch's rule:
     LOCAL_RANK, else rank modulo the devices), unless the process already chose one."""
     if device_type != "cuda":
@@ -53,10 +53,10 @@ def same_on_every_rank(values: dict, group, device, what: str, fix: str) -> None
     everyone = mine.new_empty((n, *mine.shape))
     with explain_timeout(f"comparing {what} across ranks"):
         all_gather_into(everyone, mine.unsqueeze(0), group=group)  # [n, fields, _WIDTH]
-    everyone = everyone.tolist()
+    rows = everyone.tolist()
     problems = []
     for i, name in enumerate(values):
-        per_rank = [_decode(rank_rows[i]) for rank_rows in everyone]
+        per_rank = [_decode(rank_rows[i]) for rank_rows in rows]
         if len(set(per_rank)) > 1:
             problems.append(f"{name}: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(per_rank)))
     if problems:
@@ -81,4 +81,5 @@ def explain_timeout(doing: str):
             f"seqpar_hf: rank {rank} timed out {doing}: the other ranks of its group never joined this "
             "collective, so the ranks of a sequence-parallel layout disagreed on what to run (one raised or stopped, "
             "skipped a forward, or runs other code or another layout). Look for the first error in the other ranks' "
-            f"logs. ({type(exc).__name__}: {exc})") from exc
+            f"logs. ({type(exc).__name__}: {exc})"
+        ) from exc

@@ -31,15 +31,26 @@ def layout_applied(layout, model) -> None:
         return
     choice = getattr(layout, "auto_choice", None)
     why = f", chosen by mode='auto' ({choice.reason})" if choice is not None else ""
-    logger.info("%s is sequence-parallel: sp=%d (ulysses %d x ring %d), tp=%d, dp=%d, over %d ranks; mode %s%s",
-                type(model).__name__, s.sp_size, s.ulysses_size, s.ring_size, s.tp_size, s.dp_size, s.world_size,
-                s.mode, why)
+    logger.info(
+        "%s is sequence-parallel: sp=%d (ulysses %d x ring %d), tp=%d, dp=%d, over %d ranks; mode %s%s",
+        type(model).__name__,
+        s.sp_size,
+        s.ulysses_size,
+        s.ring_size,
+        s.tp_size,
+        s.dp_size,
+        s.world_size,
+        s.mode,
+        why,
+    )
 
 
 def first_forward(layout, plans: dict) -> None:
     """`plans`: side ("encoder", "decoder") -> the `ShardPlan` of the model's first sharded forward."""
     if layout.sizes.sp_size * layout.sizes.tp_size == 1 or layout.rank != 0:
         return
-    sides = "; ".join(f"{side} {plan.length} tokens padded to {plan.padded}, {plan.local_length} per rank"
-                      for side, plan in plans.items())
+    sides = "; ".join(
+        f"{side} {plan.length} tokens padded to {plan.padded}, {plan.local_length} per rank"
+        for side, plan in plans.items()
+    )
     logger.info("first forward: %s (sp=%d; logged once, later batches differ)", sides, layout.sizes.sp_size)

@@ -7,9 +7,10 @@ ring groups; `patch_model` calls `resolve` with the model's attention head count
 its head counts and host name to every other (one small all-gather over the world): ranks that
 patched different models, or ranks on hosts of different sizes, are refused on every rank before
 any group exists. The choice is then the same pure function of the same numbers on every rank, and
-is logged with its reason (parallel/announce.py). The auto layout itself is never changed: each model gets the layout chosen for
-it (`ParallelLayout.resolved`, a new layout kept with the model's patch state), so one auto layout can patch
-several models, each resolved on its own (models with the same choice share one resolved layout).
+is logged with its reason (parallel/announce.py). The auto layout itself is never changed: each model gets the
+layout chosen for it (`ParallelLayout.resolved`, a new layout kept with the model's patch state), so one auto
+layout can patch several models, each resolved on its own (models with the same choice share one resolved
+layout).
 
 The rule (`choose`), per TP rank (heads / tp of each attention kind):
 - a Ulysses group of u ranks (u divides sp, u <= the fewest heads) must sit inside a node (u x tp
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-
 RING_OVERHEAD = 1.1
 
 
@@ -51,7 +51,8 @@ def choose(sp_size: int, heads: list[tuple[int, int]], ranks_per_node: int, tp_s
     per_tp = sorted({(h // tp_size, g // tp_size) for h, g in heads})
     fewest = min(h for h, _ in per_tp)
     node_cap = max(ranks_per_node // tp_size, 1)
-    best, seen = None, []
+    best: tuple[float, int] | None = None
+    seen: list[str] = []
     for u in (d for d in range(1, sp_size + 1) if sp_size % d == 0):
         ring = sp_size // u
         if u > fewest:
@@ -64,12 +65,15 @@ def choose(sp_size: int, heads: list[tuple[int, int]], ranks_per_node: int, tp_s
         seen.append(f"Ulysses {u} x ring {ring}: {cost:.2f}")
         if best is None or cost <= best[0] + 1e-9:  # equal cost: the larger u, seen later
             best = (cost, u)
+    assert best is not None  # u = 1 always fits
     cost, u = best
     ring = sp_size // u
     mode = "ulysses" if ring == 1 else "ring" if u == 1 else "hybrid"
     shown = ", ".join(f"{h} heads / {g} kv" for h, g in per_tp)
-    reason = (f"sp={sp_size}, {shown} per TP rank, {ranks_per_node} ranks per node; estimated time over the balanced "
-              f"kernel's (busiest rank's heads / average, x{RING_OVERHEAD} with a ring): {'; '.join(seen)}")
+    reason = (
+        f"sp={sp_size}, {shown} per TP rank, {ranks_per_node} ranks per node; estimated time over the balanced "
+        f"kernel's (busiest rank's heads / average, x{RING_OVERHEAD} with a ring): {'; '.join(seen)}"
+    )
     return Choice(mode, None if mode != "hybrid" else ring, reason)
 
 
@@ -87,13 +91,15 @@ def resolve(layout, heads: list[tuple[int, int]]):
     mine = (socket.gethostname(), sorted(set(heads)))
     everyone = _gather(mine)  # the same list on every rank: every rank takes the same branch below
     if any(h != mine[1] for _, h in everyone) or any(h != everyone[0][1] for _, h in everyone):
-        kinds = {}
+        kinds: dict[str, list[int]] = {}
         for r, (_, h) in enumerate(everyone):
             kinds.setdefault(str(h), []).append(r)
         seen = "; ".join(f"ranks {ranks[:8]}: (heads, kv heads) {h}" for h, ranks in kinds.items())
-        raise ValueError(f"mode='auto': the ranks patched models with different attention heads ({seen}); every rank "
-                         "must patch the same model, or give the layout an explicit mode")
-    per_host = {}
+        raise ValueError(
+            f"mode='auto': the ranks patched models with different attention heads ({seen}); every rank "
+            "must patch the same model, or give the layout an explicit mode"
+        )
+    per_host: dict[str, int] = {}
     for host, _ in everyone:
         per_host[host] = per_host.get(host, 0) + 1
     choice = choose(layout.sp_size, list(heads), min(per_host.values()), layout.tp_size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 renamed all_gather_into_tensor (same semantics); 2.11 only has the old name.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -30,8 +29,9 @@ def start_all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[i
     `work.wait()`. On NCCL the wait only orders the current stream after the exchange; on gloo the
     exchange runs on gloo's own threads while this one computes (benchmarks/overlap.py measures it)."""
     recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
-    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=group,
-                                  async_op=True)
+    work = dist.all_to_all_single(
+        recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=group, async_op=True
+    )
     return recv, work
 
 

@@ -57,8 +57,10 @@ def check_head_chunks(value) -> int | str:
     """The one check of a `head_chunks` setting (the layout's and `--sp_head_chunks`); returns it."""
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise ValueError(f"head_chunks={value!r} (--sp_head_chunks): use 'auto' or a positive integer, the most parts "
-                     "a Ulysses exchange is split into to overlap with the attention kernel")
+    raise ValueError(
+        f"head_chunks={value!r} (--sp_head_chunks): use 'auto' or a positive integer, the most parts "
+        "a Ulysses exchange is split into to overlap with the attention kernel"
+    )
 
 
 def _positive(name: str, value) -> None:
@@ -66,8 +68,9 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def validate_sizes(world_size: int, sp_size: int, mode: str = "ulysses", ring_size: int | None = None,
-                   tp_size: int = 1) -> LayoutSizes:
+def validate_sizes(
+    world_size: int, sp_size: int, mode: str = "ulysses", ring_size: int | None = None, tp_size: int = 1
+) -> LayoutSizes:
     """Check the sizes before any collective; every error names the value and the fix."""
     if mode not in MODES:
         raise ValueError(f"unknown sequence-parallel mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -82,12 +85,15 @@ def validate_sizes(world_size: int, sp_size: int, mode: str = "ulysses", ring_si
         )
     if mode == "auto":
         if ring_size is not None:
-            raise ValueError(f"mode='auto' chooses the ring size itself (got ring_size={ring_size}); use mode='hybrid' "
-                             "to set it")
+            raise ValueError(
+                f"mode='auto' chooses the ring size itself (got ring_size={ring_size}); use mode='hybrid' to set it"
+            )
         return LayoutSizes(world_size, sp_size, mode, None, None, world_size // replica, tp_size)
     if mode == "ulysses":
         if ring_size not in (None, 1):
-            raise ValueError(f"mode='ulysses' takes no ring_size (got {ring_size}); use mode='hybrid' for ulysses x ring")
+            raise ValueError(
+                f"mode='ulysses' takes no ring_size (got {ring_size}); use mode='hybrid' for ulysses x ring"
+            )
         ring_size = 1
     elif mode == "ring":
         if ring_size not in (None, sp_size):
@@ -150,8 +156,9 @@ class ParallelLayout:
         check_head_chunks(self.head_chunks)
         if self.mode == "auto":
             running = dist.is_available() and dist.is_initialized()
-            self.sizes = validate_sizes(dist.get_world_size() if running else 1, self.sp_size, self.mode,
-                                        self.ring_size, self.tp_size)
+            self.sizes = validate_sizes(
+                dist.get_world_size() if running else 1, self.sp_size, self.mode, self.ring_size, self.tp_size
+            )
             if self.sp_size > 1:  # dp / world sizes are known; groups belong to the layouts `resolved` returns
                 self.rank = dist.get_rank() if running else 0
                 self.device_type = self.device_type or (_device_type() if running else "cpu")
@@ -167,11 +174,12 @@ class ParallelLayout:
     def __setattr__(self, name, value):
         # the model patched with a layout, its process groups and its forward's fingerprint all read these values
         if self.__dict__.get("_sealed"):
-            raise AttributeError(f"ParallelLayout.{name} cannot be changed once the layout is built; build another "
-                                 "ParallelLayout")
+            raise AttributeError(
+                f"ParallelLayout.{name} cannot be changed once the layout is built; build another ParallelLayout"
+            )
         super().__setattr__(name, value)
 
-    def resolved(self, choice) -> "ParallelLayout":
+    def resolved(self, choice) -> ParallelLayout:
         """The layout `mode="auto"` chose (`choice`: mode, ring size and reason, `seqpar_hf.parallel.auto`): a new
         layout with that mode and groups; this one is left as built. Collective the first time for each choice
         (it builds the groups): every rank, same choice."""
@@ -188,9 +196,11 @@ class ParallelLayout:
         if name.startswith("_") or self.__dict__.get("mode") != "auto":
             raise AttributeError(name)
         # an AttributeError, so that hasattr / getattr with a default still work
-        raise AttributeError(f"ParallelLayout(mode='auto').{name}: an auto layout has no groups of its own; "
-                             "seqpar_hf.patch_model(model, layout) chooses a layout for each model from its heads: "
-                             "read it with seqpar_hf.layout_of(model)")
+        raise AttributeError(
+            f"ParallelLayout(mode='auto').{name}: an auto layout has no groups of its own; "
+            "seqpar_hf.patch_model(model, layout) chooses a layout for each model from its heads: "
+            "read it with seqpar_hf.layout_of(model)"
+        )
 
     def _build(self):
         if not (dist.is_available() and dist.is_initialized()):
@@ -209,8 +219,10 @@ class ParallelLayout:
         self.rank, self.serial = dist.get_rank(), 0
         self.device_type = self.device_type or _device_type()
         try:
-            sizes, error = validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size,
-                                          self.tp_size), None
+            sizes, error = (
+                validate_sizes(dist.get_world_size(), self.sp_size, self.mode, self.ring_size, self.tp_size),
+                None,
+            )
         except (ValueError, TypeError) as exc:
             sizes, error = None, exc
         # before raising: an error on some ranks only would leave the others waiting in the mesh
@@ -220,8 +232,7 @@ class ParallelLayout:
         s = self.sizes = sizes
         self.ring_size = s.ring_size
         # init_device_mesh is collective; so is flattening (both create process groups on every rank).
-        self.mesh = _compat.init_mesh(self.device_type, (s.dp_size, s.ring_size, s.ulysses_size, s.tp_size),
-                                      MESH_DIMS)
+        self.mesh = _compat.init_mesh(self.device_type, (s.dp_size, s.ring_size, s.ulysses_size, s.tp_size), MESH_DIMS)
         # the flattened dims are kept as flattening returns them: slicing one back out of the root mesh
         # (`mesh["sp"]`) is deprecated from torch 2.11, with a warning on every rank
         flat = {"sp": ("ring", "ulysses"), "dp_sp": ("dp", "ring", "ulysses")}
@@ -235,8 +246,9 @@ class ParallelLayout:
         self.tp_group, self.tp_ranks = self._group("tp")
         self.dp_sp_group, _ = self._group("dp_sp")
         # the ranks that read one batch: the SP group, times TP when used (with tp_size 1, the SP group itself)
-        self.replica_group, self.replica_ranks = self._group("replica") if s.tp_size > 1 else (self.sp_group,
-                                                                                             self.sp_ranks)
+        self.replica_group, self.replica_ranks = (
+            self._group("replica") if s.tp_size > 1 else (self.sp_group, self.sp_ranks)
+        )
         self._set_timeouts()
 
     def _agree(self, ring_size) -> None:
@@ -245,24 +257,46 @@ class ParallelLayout:
         world = id(dist.group.WORLD)
         self.serial = _BUILT.get(world, 0)
         _BUILT[world] = self.serial + 1
-        asked = {"mode": self.mode, "sp_size": self.sp_size, "ring_size": ring_size, "tp_size": self.tp_size,
-                 "head_chunks": self.head_chunks, "timeout": self.timeout, "device_type": self.device_type}
-        same_on_every_rank(asked, dist.group.WORLD, agreement_device(self.device_type),
-                           "the ParallelLayout they build", "Every rank must build the same ParallelLayout, in the same order (building one creates "
-                           "process groups on every rank): pass the same arguments on every rank.")
+        asked = {
+            "mode": self.mode,
+            "sp_size": self.sp_size,
+            "ring_size": ring_size,
+            "tp_size": self.tp_size,
+            "head_chunks": self.head_chunks,
+            "timeout": self.timeout,
+            "device_type": self.device_type,
+        }
+        same_on_every_rank(
+            asked,
+            dist.group.WORLD,
+            agreement_device(self.device_type),
+            "the ParallelLayout they build",
+            "Every rank must build the same ParallelLayout, in the same order (building one creates "
+            "process groups on every rank): pass the same arguments on every rank.",
+        )
         if self.timeout is not None and (not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0):
-            raise ValueError(f"timeout={self.timeout!r}: pass a positive datetime.timedelta (or None: the default "
-                             "process group's timeout)")
+            raise ValueError(
+                f"timeout={self.timeout!r}: pass a positive datetime.timedelta (or None: the default "
+                "process group's timeout)"
+            )
         if self.device_type not in ("cpu", "cuda"):
-            raise ValueError(f"device_type={self.device_type!r}: pass 'cpu' or 'cuda' (or None: from the process "
-                             "group's backend)")
+            raise ValueError(
+                f"device_type={self.device_type!r}: pass 'cpu' or 'cuda' (or None: from the process group's backend)"
+            )
 
     def _set_timeouts(self) -> None:
         """The mesh's groups get torch's default timeout (30 min on gloo), not the default group's. A dim
         that spans the whole world is the default group itself: it keeps its own timeout."""
         timeout = self.timeout if self.timeout is not None else _compat.group_timeout(None)
-        groups = (self.sp_group, self.ulysses_group, self.ring_group, self.dp_group, self.tp_group, self.dp_sp_group,
-                  self.replica_group)
+        groups = (
+            self.sp_group,
+            self.ulysses_group,
+            self.ring_group,
+            self.dp_group,
+            self.tp_group,
+            self.dp_sp_group,
+            self.replica_group,
+        )
         for group in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
             if timeout is not None:
                 group.set_timeout(timeout)
@@ -293,7 +327,7 @@ class ParallelLayout:
         return self.sizes.dp_size
 
     @property
-    def ulysses_size(self) -> int:
+    def ulysses_size(self) -> int | None:  # None: an auto layout (not resolved)
         return self.sizes.ulysses_size
 
     @property
@@ -332,6 +366,8 @@ class ParallelLayout:
         s = self.sizes
         tp = f", tp_size={s.tp_size}" if s.tp_size > 1 else ""
         auto = ", chosen by mode='auto'" if self.auto_choice is not None else ""
-        return (f"ParallelLayout(mode={s.mode!r}, sp_size={s.sp_size}, ring_size={s.ring_size}, "
-                f"ulysses_size={s.ulysses_size}{tp}, dp_size={s.dp_size}, rank={self.rank}, "
-                f"sp_rank={self.sp_rank}, dp_rank={self.dp_rank}{auto})")
+        return (
+            f"ParallelLayout(mode={s.mode!r}, sp_size={s.sp_size}, ring_size={s.ring_size}, "
+            f"ulysses_size={s.ulysses_size}{tp}, dp_size={s.dp_size}, rank={self.rank}, "
+            f"sp_rank={self.sp_rank}, dp_rank={self.dp_rank}{auto})"
+        )

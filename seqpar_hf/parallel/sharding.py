@@ -27,8 +27,9 @@ class ShardPlan:
     zigzag: bool = False
 
     @classmethod
-    def build(cls, length: int, sp_size: int, sp_rank: int, ring_size: int = 1, zigzag: bool = False,
-              tp_size: int = 1) -> "ShardPlan":
+    def build(
+        cls, length: int, sp_size: int, sp_rank: int, ring_size: int = 1, zigzag: bool = False, tp_size: int = 1
+    ) -> ShardPlan:
         """`tp_size`: each shard must also split evenly over the TP group (its norm regions)."""
         zigzag = zigzag and ring_size > 1
         multiple = (2 * sp_size if zigzag else sp_size) * tp_size
@@ -49,14 +50,19 @@ class ShardPlan:
         ring_rank, uly_rank = divmod(r, self.ulysses_size)
         if self.zigzag:
             c = self.padded // (2 * self.ring_size)
-            ring_local = torch.cat([torch.arange(ring_rank * c, (ring_rank + 1) * c, device=device),
-                                    torch.arange((2 * self.ring_size - 1 - ring_rank) * c,
-                                                 (2 * self.ring_size - ring_rank) * c, device=device)])
+            ring_local = torch.cat(
+                [
+                    torch.arange(ring_rank * c, (ring_rank + 1) * c, device=device),
+                    torch.arange(
+                        (2 * self.ring_size - 1 - ring_rank) * c, (2 * self.ring_size - ring_rank) * c, device=device
+                    ),
+                ]
+            )
         else:
             c = self.padded // self.ring_size
             ring_local = torch.arange(ring_rank * c, (ring_rank + 1) * c, device=device)
         piece = ring_local.numel() // self.ulysses_size
-        return ring_local[uly_rank * piece:(uly_rank + 1) * piece]
+        return ring_local[uly_rank * piece : (uly_rank + 1) * piece]
 
     def ring_index(self, ring_rank: int, device=None) -> torch.Tensor:
         """Global positions held by a whole Ulysses group (ring rank `ring_rank`), in the order an

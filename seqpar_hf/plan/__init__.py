@@ -21,5 +21,19 @@ from .measured import OPTIONS, validate
 from .memory import Breakdown, Layout, Model, plan
 from .search import layouts, longest, recommend
 
-__all__ = ["GIB", "KNOWN", "OPTIONS", "Breakdown", "Layout", "Model", "from_config", "layouts", "load_model",
-           "longest", "main", "plan", "recommend", "validate"]
+__all__ = [
+    "GIB",
+    "KNOWN",
+    "OPTIONS",
+    "Breakdown",
+    "Layout",
+    "Model",
+    "from_config",
+    "layouts",
+    "load_model",
+    "longest",
+    "main",
+    "plan",
+    "recommend",
+    "validate",
+]

@@ -18,26 +18,47 @@ REQUIRED = ("seq_len", "gpus", "gpu_memory")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m seqpar_hf.plan", description=DESCRIPTION,
-                                     epilog=FAMILY[0].upper() + FAMILY[1:] + ".",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="llama-3-8b",
-                        help=f"a transformers config.json (or its folder), or one of: {', '.join(KNOWN)}")
+    parser = argparse.ArgumentParser(
+        prog="python -m seqpar_hf.plan",
+        description=DESCRIPTION,
+        epilog=FAMILY[0].upper() + FAMILY[1:] + ".",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help=f"a transformers config.json (or its folder), or one of: {', '.join(KNOWN)}",
+    )
     for name in SIZES:
-        parser.add_argument(_flag(name), dest=name, type=int,
-                            help=f"override the model's {name.replace('_', ' ')} ({checks.MEANING[name]})")
+        parser.add_argument(
+            _flag(name),
+            dest=name,
+            type=int,
+            help=f"override the model's {name.replace('_', ' ')} ({checks.MEANING[name]})",
+        )
         if "_" in name:  # the spelling of earlier versions, still accepted
             parser.add_argument(f"--{name}", dest=name, type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--validate", metavar="JSON",
-                        help="compare with benchmarks/results/longest_sequence.json (measured peaks) and exit")
+    parser.add_argument(
+        "--validate",
+        metavar="JSON",
+        help="compare with benchmarks/results/longest_sequence.json (measured peaks) and exit",
+    )
     parser.add_argument("--seq-len", type=int, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per SP group and step")
     parser.add_argument("--gpus", type=int, help="ranks in all (dp x sp x tp)")
     parser.add_argument("--gpu-memory", type=float, help="GiB per rank")
-    parser.add_argument("--reserve", type=float, default=0.1,
-                        help="fraction of each rank's memory kept free (allocator fragmentation, kernels' workspace)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16",
-                        help="activations' precision (bf16: bf16 weights with fp32 master weights, gradients, moments)")
+    parser.add_argument(
+        "--reserve",
+        type=float,
+        default=0.1,
+        help="fraction of each rank's memory kept free (allocator fragmentation, kernels' workspace)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="bf16",
+        help="activations' precision (bf16: bf16 weights with fp32 master weights, gradients, moments)",
+    )
     parser.add_argument("--all", action="store_true", help="print every layout, not only the best per sp x tp")
     return parser
 
@@ -85,32 +106,41 @@ def main(argv=None):
     if missing:
         parser.error(f"{', '.join(missing)} required")
     model, budget = check_args(parser, args)
-    e = 2 if args.dtype == "bf16" else 4
-    rows = [plan(model, layout, args.seq_len, args.gpus, e, args.batch) for layout in layouts(model, args.gpus)]
-    print(f"model: {model.params / 1e9:.2f}B parameters ({model.layers} layers, hidden {model.hidden}, "
-          f"{model.heads}/{model.kv_heads} heads, ffn {model.ffn}, vocab {model.vocab}); {args.seq_len} tokens x "
-          f"{args.batch}; {args.gpus} ranks of {args.gpu_memory:g} GiB ({budget / GIB:.1f} usable); {args.dtype}")
+    elem = 2 if args.dtype == "bf16" else 4  # bytes per element
+    rows = [plan(model, layout, args.seq_len, args.gpus, elem, args.batch) for layout in layouts(model, args.gpus)]
+    print(
+        f"model: {model.params / 1e9:.2f}B parameters ({model.layers} layers, hidden {model.hidden}, "
+        f"{model.heads}/{model.kv_heads} heads, ffn {model.ffn}, vocab {model.vocab}); {args.seq_len} tokens x "
+        f"{args.batch}; {args.gpus} ranks of {args.gpu_memory:g} GiB ({budget / GIB:.1f} usable); {args.dtype}"
+    )
     shown = rows if args.all else best_per_group(rows, budget)
     print(f"{'layout':44s} {'states':>8s} {'fsdp':>7s} {'activ.':>8s} {'logits':>8s} {'comm':>7s} {'peak GiB':>9s}  at")
     for r in shown:
         p = r.parts
-        print(f"{r.layout.describe():44s} {p['states'] / GIB:8.2f} {p['fsdp_gathered'] / GIB:7.2f} "
-              f"{p['activations'] / GIB:8.2f} {p['logits'] / GIB:8.2f} {p['communication'] / GIB:7.2f} "
-              f"{r.peak / GIB:9.2f}  {r.moment}{'' if r.peak <= budget else '  (does not fit)'}")
+        print(
+            f"{r.layout.describe():44s} {p['states'] / GIB:8.2f} {p['fsdp_gathered'] / GIB:7.2f} "
+            f"{p['activations'] / GIB:8.2f} {p['logits'] / GIB:8.2f} {p['communication'] / GIB:7.2f} "
+            f"{r.peak / GIB:9.2f}  {r.moment}{'' if r.peak <= budget else '  (does not fit)'}"
+        )
     print(howto.LEGEND)
     best = recommend(rows, budget)
     if best is None:
         smallest = min(rows, key=lambda r: r.peak)
         # a bf16 run is not told to use bf16
-        remedies = ("more ranks or a shorter sequence" if args.dtype == "bf16"
-                    else "more ranks, a shorter sequence, or bf16")
-        print(f"nothing fits: the smallest peak, {smallest.peak / GIB:.1f} GiB ({smallest.layout.describe()}), is above "
-              f"the {budget / GIB:.1f} GiB usable per rank ({args.gpu_memory:g} GiB less the {args.reserve:.0%} "
-              f"reserve); {remedies}")
+        remedies = (
+            "more ranks or a shorter sequence" if args.dtype == "bf16" else "more ranks, a shorter sequence, or bf16"
+        )
+        print(
+            f"nothing fits: the smallest peak, {smallest.peak / GIB:.1f} GiB ({smallest.layout.describe()}), is above "
+            f"the {budget / GIB:.1f} GiB usable per rank ({args.gpu_memory:g} GiB less the {args.reserve:.0%} "
+            f"reserve); {remedies}"
+        )
     else:
         dp = args.gpus // (best.layout.sp * best.layout.tp)
-        print(f"recommended: {best.layout.describe()}, dp={dp}, FSDP over {dp * best.layout.sp} ranks; "
-              f"peak {best.peak / GIB:.1f} GiB of {budget / GIB:.1f}")
+        print(
+            f"recommended: {best.layout.describe()}, dp={dp}, FSDP over {dp * best.layout.sp} ranks; "
+            f"peak {best.peak / GIB:.1f} GiB of {budget / GIB:.1f}"
+        )
         logits = args.batch * -(-args.seq_len // best.layout.sp) * model.vocab  # one rank's [tokens, vocab]
         print("\n".join(howto.run_lines(best.layout, args.gpus, args.dtype, logits)))
     return best

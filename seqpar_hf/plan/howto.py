@@ -30,26 +30,33 @@ def run_lines(layout: Layout, gpus: int, dtype: str, logits_per_rank: int) -> li
     `logits_per_rank`: elements of one rank's [tokens, vocab] logits, which tell whether the trainers' default
     tiled_loss="auto" tiles."""
     sp, tp = layout.sp, layout.tp
-    flags = [f"--sp_size {sp}"] + ([f"--sp_mode {layout.mode}"] if sp > 1 else []) + (
-        [f"--tp_size {tp}"] if tp > 1 else [])
+    flags = (
+        [f"--sp_size {sp}"] + ([f"--sp_mode {layout.mode}"] if sp > 1 else []) + ([f"--tp_size {tp}"] if tp > 1 else [])
+    )
     flags += [checkpointing_flag()] if layout.checkpointing else []
     flags += ["--bf16"] if dtype == "bf16" else []
     tiled = layout.tiled and tp == 1
     shards = gpus // tp  # ranks holding the same weights: dp x sp
     note = ""
     if tiled and logits_per_rank < TILED_LOSS_MIN_ELEMENTS:
-        note = ("; the tiled loss: patch the model with tiled_loss=True before the trainer (its 'auto' tiles from "
-                "2^26 logits)")
+        note = (
+            "; the tiled loss: patch the model with tiled_loss=True before the trainer (its 'auto' tiles from "
+            "2^26 logits)"
+        )
     launch = f"accelerate launch --num_processes {gpus} <script> <flags>"
     if shards > 1:
         launch = launch.replace(" <script>", " --use_fsdp --fsdp_version 2 <script>") + (
-            f"  (FSDP2 over dp x sp = {shards} ranks)")
+            f"  (FSDP2 over dp x sp = {shards} ranks)"
+        )
     args = [f"sp_size={sp}"] + ([f"mode={layout.mode!r}"] if sp > 1 else []) + ([f"tp_size={tp}"] if tp > 1 else [])
     call = f"layout = seqpar_hf.ParallelLayout({', '.join(args)}); seqpar_hf.patch_model(model, layout" + (
-        ", tiled_loss=True)" if tiled else ")")
+        ", tiled_loss=True)" if tiled else ")"
+    )
     call += "; model.gradient_checkpointing_enable()" if layout.checkpointing else ""
     call += "; seqpar_hf.training.fsdp.shard_model(model, layout)" if shards > 1 else ""
-    return ["to run it:",
-            f"  flags:   {' '.join(flags)}  (SequenceParallelArguments, the TRL configs, the recipes{note})",
-            f"  launch:  {launch}",
-            f"  python:  {call}"]
+    return [
+        "to run it:",
+        f"  flags:   {' '.join(flags)}  (SequenceParallelArguments, the TRL configs, the recipes{note})",
+        f"  launch:  {launch}",
+        f"  python:  {call}",
+    ]

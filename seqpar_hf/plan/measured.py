@@ -11,8 +11,12 @@ from .memory import Layout, plan
 from .search import longest
 
 # the benchmark's options: (gradient checkpointing, tiled loss)
-OPTIONS = {"plain": (False, False), "tiled loss": (False, True), "checkpointing": (True, False),
-           "checkpointing + tiled loss": (True, True)}
+OPTIONS = {
+    "plain": (False, False),
+    "tiled loss": (False, True),
+    "checkpointing": (True, False),
+    "checkpointing + tiled loss": (True, True),
+}
 
 
 def validate(path: str) -> list[dict]:
@@ -27,8 +31,12 @@ def validate(path: str) -> list[dict]:
     model = from_config(results["config"], f"{path} (config)")
     try:
         rows = [_compare(model, record) for record in results["records"]]
-        table = {option: [_longest_cell(model, row, results["budget_bytes"]) for row in results["rows"]
-                          if row["option"] == option] for option in OPTIONS}
+        table = {
+            option: [
+                _longest_cell(model, row, results["budget_bytes"]) for row in results["rows"] if row["option"] == option
+            ]
+            for option in OPTIONS
+        }
     except KeyError as e:
         raise ValueError(f"{what} (a record or row has no {e})") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:
@@ -36,12 +44,18 @@ def validate(path: str) -> list[dict]:
     print("| sp | option | tokens per rank | measured MiB | predicted MiB | error | peak at (predicted) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['sp']} | {r['option']} | {r['local']} | {r['measured'] / 2**20:.0f} | {r['predicted'] / 2**20:.0f} "
-              f"| {100 * r['error']:+.1f}% | {r['moment']} |")
+        print(
+            f"| {r['sp']} | {r['option']} | {r['local']} | {r['measured'] / 2**20:.0f} | {r['predicted'] / 2**20:.0f} "
+            f"| {100 * r['error']:+.1f}% | {r['moment']} |"
+        )
     worst = max(rows, key=lambda r: abs(r["error"]))
-    print(f"\nworst: {100 * worst['error']:+.1f}% (sp={worst['sp']}, {worst['option']}, {worst['local']} tokens per rank)")
-    print(f"\nLongest sequence in {results['budget_bytes'] / GIB:g} GiB per rank, benchmark (extrapolated from its "
-          "measurements) / planner:\n")
+    print(
+        f"\nworst: {100 * worst['error']:+.1f}% (sp={worst['sp']}, {worst['option']}, {worst['local']} tokens per rank)"
+    )
+    print(
+        f"\nLongest sequence in {results['budget_bytes'] / GIB:g} GiB per rank, benchmark (extrapolated from its "
+        "measurements) / planner:\n"
+    )
     print("| option | " + " | ".join(f"sp={r['sp']}" for r in results["rows"] if r["option"] == "plain") + " |")
     print("|---" * (1 + len(table["plain"])) + "|")
     for option, cells in table.items():
@@ -55,8 +69,15 @@ def _compare(model, record: dict) -> dict:
     layout = Layout(sp=record["sp"], checkpointing=checkpointing, tiled=tiled)
     predicted = plan(model, layout, record["length"], gpus=record["sp"], act_bytes=4)
     measured = max(record["total"], record["optimizer_total"])
-    return dict(sp=record["sp"], option=record["option"], local=record["local"], measured=measured,
-                predicted=predicted.peak, moment=predicted.moment, error=(predicted.peak - measured) / measured)
+    return dict(
+        sp=record["sp"],
+        option=record["option"],
+        local=record["local"],
+        measured=measured,
+        predicted=predicted.peak,
+        moment=predicted.moment,
+        error=(predicted.peak - measured) / measured,
+    )
 
 
 def _longest_cell(model, row: dict, budget: float) -> str:

@@ -112,11 +112,15 @@ def check_step(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes:
     if gpus % (sp * tp):
         raise ValueError(f"gpus {gpus}: must be a multiple of sp x tp = {sp} x {tp} (dp = gpus / (sp x tp))")
     if model.heads % tp or model.kv_heads % tp:
-        raise ValueError(f"tp {tp}: must divide heads {model.heads} and kv_heads {model.kv_heads} "
-                         "(tensor parallelism shards whole heads)")
+        raise ValueError(
+            f"tp {tp}: must divide heads {model.heads} and kv_heads {model.kv_heads} "
+            "(tensor parallelism shards whole heads)"
+        )
     if sp > 1 and layout.mode == "ulysses" and model.heads // tp < sp:
-        raise ValueError(f"sp {sp} with mode 'ulysses': Ulysses splits the {model.heads // tp} heads per tp rank over "
-                         f"the sp ranks, so sp must be <= {model.heads // tp}; use mode 'ring'")
+        raise ValueError(
+            f"sp {sp} with mode 'ulysses': Ulysses splits the {model.heads // tp} heads per tp rank over "
+            f"the sp ranks, so sp must be <= {model.heads // tp}; use mode 'ring'"
+        )
 
 
 def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int = 4, batch: int = 1) -> Breakdown:
@@ -149,7 +153,7 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
     # Llama layer, elements per token: 2 RMSNorms (input, normed x rsqrt: 2h + 1 each), q/k/v
     # projections' shared input (h), rotary q and k, v, SDPA output and log-sum-exp, o_proj input,
     # gate/up outputs, SiLU output and product (4 ffn)
-    per_layer = (2 * (2 * h + 1) + h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + 4 * ffn)
+    per_layer = 2 * (2 * h + 1) + h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + 4 * ffn
     if tp > 1:  # TP+SP: norms sharded by tp, the all-gathered inputs of q and gate kept whole
         per_layer = (2 * (2 * h + 1)) / tp + 2 * h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + 4 * ffn
     final = 2 * h + 1  # final norm
@@ -175,23 +179,42 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
         comm += local * h * e  # the all-gathered [s, h] input in flight
 
     # start of backward: every saved activation and the loss's [tokens, vocab] tensors
-    early = dict(states=weights + moments, fsdp_gathered=gathered, activations=activations, logits=logits_bytes,
-                 communication=comm)
+    early = dict(
+        states=weights + moments,
+        fsdp_gathered=gathered,
+        activations=activations,
+        logits=logits_bytes,
+        communication=comm,
+    )
     # with checkpointing, the backward of the last layer: its recomputed activations and the gradients
     # of its SwiGLU intermediates and hidden state; the head's gradient
     head_grad = m.vocab * h / tp * 4
-    recompute = dict(states=weights + moments + head_grad, fsdp_gathered=gathered,
-                     activations=local * (m.layers * h + per_layer + 2 * ffn + h) * e, logits=0.0,
-                     communication=0.0)  # the recomputed forward's all-to-all buffers are freed by then
+    recompute = dict(
+        states=weights + moments + head_grad,
+        fsdp_gathered=gathered,
+        activations=local * (m.layers * h + per_layer + 2 * ffn + h) * e,
+        logits=0.0,
+        communication=0.0,
+    )  # the recomputed forward's all-to-all buffers are freed by then
     # end of backward: every gradient (FSDP: sharded, but the root's whole until reduce-scattered)
-    end = dict(states=weights + moments + (grads + root_grads if shards > 1 else P * 4), fsdp_gathered=gathered,
-               activations=0.0, logits=0.0, communication=0.0)
+    end = dict(
+        states=weights + moments + (grads + root_grads if shards > 1 else P * 4),
+        fsdp_gathered=gathered,
+        activations=0.0,
+        logits=0.0,
+        communication=0.0,
+    )
     largest_param = max(m.vocab * h, h * m.ffn) / tp / shards * 4
-    optimizer = dict(states=weights + moments + grads, fsdp_gathered=0.0, activations=0.0, logits=0.0,
-                     communication=0.0, optimizer_temporaries=2 * largest_param)
+    optimizer = dict(
+        states=weights + moments + grads,
+        fsdp_gathered=0.0,
+        activations=0.0,
+        logits=0.0,
+        communication=0.0,
+        optimizer_temporaries=2 * largest_param,
+    )
     moments_ = {"start of backward": early, "end of backward": end, "optimizer step": optimizer}
     if layout.checkpointing:
         moments_["recompute in backward"] = recompute
     name, parts = max(moments_.items(), key=lambda kv: sum(kv[1].values()))
     return Breakdown(layout, parts, name, sum(parts.values()))
-

@@ -38,8 +38,16 @@ def recommend(rows: list[Breakdown], budget: float) -> Breakdown | None:
     if not fitting:
         return None
     # fastest first: no recompute, fewest ranks per sequence, Ulysses (fewest bytes), no TP, then memory
-    return min(fitting, key=lambda r: (r.layout.checkpointing, r.layout.sp * r.layout.tp, r.layout.mode != "ulysses",
-                                       r.layout.tp, r.peak))
+    return min(
+        fitting,
+        key=lambda r: (
+            r.layout.checkpointing,
+            r.layout.sp * r.layout.tp,
+            r.layout.mode != "ulysses",
+            r.layout.tp,
+            r.peak,
+        ),
+    )
 
 
 def best_per_group(rows: list[Breakdown], budget: float) -> list[Breakdown]:
@@ -48,8 +56,11 @@ def best_per_group(rows: list[Breakdown], budget: float) -> list[Breakdown]:
     for key in dict.fromkeys((r.layout.sp, r.layout.tp, r.layout.mode) for r in rows):
         group = [r for r in rows if (r.layout.sp, r.layout.tp, r.layout.mode) == key]
         fitting = [r for r in group if r.peak <= budget]
-        out.append(min(fitting, key=lambda r: (r.layout.checkpointing, r.peak)) if fitting
-                   else min(group, key=lambda r: r.peak))
+        out.append(
+            min(fitting, key=lambda r: (r.layout.checkpointing, r.peak))
+            if fitting
+            else min(group, key=lambda r: r.peak)
+        )
     return out
 
 

@@ -29,30 +29,52 @@ def _has_accelerator() -> bool:
 class SequenceParallelFields:
     """The layout fields every sequence-parallel training-arguments class carries."""
 
-    sp_size: int = field(default=1, metadata={"help": "Ranks that split each sequence (an SP group). The world "
-                                                      "size must be a multiple of sp_size x tp_size; data parallelism "
-                                                      "runs over the rest. 1 disables SP."})
-    sp_mode: str = field(default="ulysses", metadata={
-        "help": "ulysses: all-to-all of heads (needs sp_size <= attention heads); ring: K/V blocks passed around "
-                "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them; "
-                "auto: chosen when the model is patched, from its heads and the ranks per node (logged with the "
-                "reason; seqpar_hf.parallel.auto).",
-        "choices": list(MODES)})
+    sp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks that split each sequence (an SP group). The world "
+            "size must be a multiple of sp_size x tp_size; data parallelism "
+            "runs over the rest. 1 disables SP."
+        },
+    )
+    sp_mode: str = field(
+        default="ulysses",
+        metadata={
+            "help": "ulysses: all-to-all of heads (needs sp_size <= attention heads); ring: K/V blocks passed around "
+            "a ring (any sp_size); hybrid: Ulysses inside groups of sp_size // sp_ring_size, ring across them; "
+            "auto: chosen when the model is patched, from its heads and the ranks per node (logged with the "
+            "reason; seqpar_hf.parallel.auto).",
+            "choices": list(MODES),
+        },
+    )
     sp_ring_size: int | None = field(default=None, metadata={"help": "Ring size for sp_mode=hybrid (divides sp_size)."})
-    sp_head_chunks: str = field(default="auto", metadata={
-        "help": "Ulysses: parts of the heads whose all-to-all overlaps the attention kernel of the previous part; "
-                "auto: chosen by the exchange's size (1 where it is too small to pay, e.g. on CPU); N: at most N."})
-    tp_size: int = field(default=1, metadata={"help": "Megatron-style tensor + sequence parallelism over this many "
-                                                      "consecutive ranks (heads and MLP columns split, norms sharded "
-                                                      "along the sequence). 1 disables it."})
+    sp_head_chunks: str = field(
+        default="auto",
+        metadata={
+            "help": "Ulysses: parts of the heads whose all-to-all overlaps the attention kernel of the previous part; "
+            "auto: chosen by the exchange's size (1 where it is too small to pay, e.g. on CPU); N: at most N."
+        },
+    )
+    tp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Megatron-style tensor + sequence parallelism over this many "
+            "consecutive ranks (heads and MLP columns split, norms sharded "
+            "along the sequence). 1 disables it."
+        },
+    )
 
     # transformers' default is 1800 s. A rank that stopped (raised, killed, other code) leaves the others waiting
     # this long in their next collective, and ParallelLayout gives its groups the same timeout; seqpar_hf's checks
     # make the usual disagreements errors before any collective, so what is left should fail in minutes.
     # 10 minutes covers what one rank may do alone while the others wait (rank 0 writing a checkpoint or
     # preparing data); raise it for very large checkpoints or slow file systems.
-    ddp_timeout: int = field(default=int(DEFAULT_TIMEOUT.total_seconds()), metadata={
-        "help": "Timeout (s) of the collectives of the process group and of the sequence-parallel layout's groups."})
+    ddp_timeout: int = field(
+        default=int(DEFAULT_TIMEOUT.total_seconds()),
+        metadata={
+            "help": "Timeout (s) of the collectives of the process group and of the sequence-parallel layout's groups."
+        },
+    )
 
     def _post_init_layout(self):
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
@@ -74,14 +96,22 @@ class SequenceParallelFields:
 class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments):
     """`Seq2SeqTrainingArguments` plus the parallel layout (`--sp_size 2` on the command line)."""
 
-    sp_generate: str = field(default="auto", metadata={
-        "help": "predict_with_generate: always: every rank of an SP group generates the whole batch, sources sharded "
-                "along the sequence (model.generate under SP: 1/sp of the encoder states and cross-attention K/V, or "
-                "of the KV cache, per rank); never: each rank generates a slice of the batch's rows, whole; auto: SP "
-                "when the batch's sources have at least sp_generate_min_tokens tokens.",
-        "choices": list(GENERATE_CHOICES)})
-    sp_generate_min_tokens: int = field(default=AUTO_MIN_TOKENS, metadata={
-        "help": "sp_generate=auto generates under SP from this source (or prompt) length on (padded tokens)."})
+    sp_generate: str = field(
+        default="auto",
+        metadata={
+            "help": "predict_with_generate: always: every rank of an SP group generates the whole batch, sources "
+            "sharded along the sequence (model.generate under SP: 1/sp of the encoder states and cross-attention "
+            "K/V, or of the KV cache, per rank); never: each rank generates a slice of the batch's rows, whole; "
+            "auto: SP when the batch's sources have at least sp_generate_min_tokens tokens.",
+            "choices": list(GENERATE_CHOICES),
+        },
+    )
+    sp_generate_min_tokens: int = field(
+        default=AUTO_MIN_TOKENS,
+        metadata={
+            "help": "sp_generate=auto generates under SP from this source (or prompt) length on (padded tokens)."
+        },
+    )
 
     def __post_init__(self):
         self._post_init_layout()
@@ -90,7 +120,9 @@ class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments
         if self.sp_generate not in GENERATE_CHOICES:
             raise ValueError(f"sp_generate={self.sp_generate!r}: choose one of {', '.join(GENERATE_CHOICES)}")
         if self.sp_generate == "always" and self.tp_size > 1:
-            raise ValueError("sp_generate='always' with tp_size > 1: generation under SP does not run on a tensor-"
-                             "parallel model; use 'auto' or 'never' (a plain copy with the full weights generates)")
+            raise ValueError(
+                "sp_generate='always' with tp_size > 1: generation under SP does not run on a tensor-"
+                "parallel model; use 'auto' or 'never' (a plain copy with the full weights generates)"
+            )
         if not isinstance(self.sp_generate_min_tokens, int) or self.sp_generate_min_tokens < 1:
             raise ValueError(f"sp_generate_min_tokens must be a positive integer, got {self.sp_generate_min_tokens!r}")

@@ -27,8 +27,10 @@ class TimeBudgetCallback(TrainerCallback):
 
     def __init__(self, minutes: float, eval_every_minutes: float = 0.0):
         if minutes < 0 or eval_every_minutes < 0:
-            raise ValueError(f"TimeBudgetCallback(minutes={minutes}, eval_every_minutes={eval_every_minutes}): "
-                             "both must be >= 0 (0: no limit / no evaluation by time)")
+            raise ValueError(
+                f"TimeBudgetCallback(minutes={minutes}, eval_every_minutes={eval_every_minutes}): "
+                "both must be >= 0 (0: no limit / no evaluation by time)"
+            )
         self.seconds, self.every = minutes * 60, eval_every_minutes * 60
         self.start, self.elapsed, self.next_eval = None, 0.0, self.every
 
@@ -61,6 +63,7 @@ class TimeBudgetCallback(TrainerCallback):
         def factor(step: int) -> float:
             warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
             return warm * max(0.0, 1.0 - self.fraction)
+
         return LambdaLR(optimizer, factor)
 
 

@@ -15,9 +15,13 @@ fresh values. Tied weights saved once (`lm_head.weight` = the embedding) and the
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 
@@ -51,8 +55,13 @@ def unexplained_missing(model: torch.nn.Module, missing: list[str]) -> list[str]
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         aliases.setdefault(id(tensor), []).append(name)
     names = {name: group for group in aliases.values() for name in group}
-    return [key for key in missing if key not in ignored and (tied.get(key) is None or tied[key] in missing_set)
-            and all(alias in missing_set for alias in names.get(key, [key]))]
+    return [
+        key
+        for key in missing
+        if key not in ignored
+        and (tied.get(key) is None or tied[key] in missing_set)
+        and all(alias in missing_set for alias in names.get(key, [key]))
+    ]
 
 
 def check_keys(model: torch.nn.Module, missing: list[str], unexpected: list[str], source: str) -> None:
@@ -60,10 +69,13 @@ def check_keys(model: torch.nn.Module, missing: list[str], unexpected: list[str]
     missing = unexplained_missing(model, missing)
     if not missing and not unexpected:
         return
-    parts = ([f"misses {len(missing)} weight(s) of the model: {missing[:8]}"] if missing else []) + \
-        ([f"holds {len(unexpected)} the model does not have: {list(unexpected)[:8]}"] if unexpected else [])
-    raise RuntimeError(f"{source} " + " and ".join(parts) + f" ({type(model).__name__}); a resumed run would go on "
-                       "from fresh values for the missing ones. Resume from a checkpoint of this model and config.")
+    parts = ([f"misses {len(missing)} weight(s) of the model: {missing[:8]}"] if missing else []) + (
+        [f"holds {len(unexpected)} the model does not have: {list(unexpected)[:8]}"] if unexpected else []
+    )
+    raise RuntimeError(
+        f"{source} " + " and ".join(parts) + f" ({type(model).__name__}); a resumed run would go on "
+        "from fresh values for the missing ones. Resume from a checkpoint of this model and config."
+    )
 
 
 def full_optimizer_state_dict(model: torch.nn.Module, optimizer) -> dict:

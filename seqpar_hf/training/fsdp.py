@@ -31,6 +31,7 @@ def fsdp_requested(args) -> bool:
 
 def is_fully_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
@@ -41,8 +42,11 @@ def shard_model(model: nn.Module, layout, reshard_after_forward: bool = True) ->
 
     family = family_of(model)  # raises if the model is not patched yet
     ranks = layout.world_size // layout.sizes.tp_size
-    summary = {"ranks": ranks, "parameters": sum(p.numel() for p in model.parameters()),
-               "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    summary = {
+        "ranks": ranks,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
     if ranks == 1:
         summary["sharded"] = False
         return summary
@@ -54,11 +58,22 @@ def shard_model(model: nn.Module, layout, reshard_after_forward: bool = True) ->
             units += 1
     fully_shard(unwrap(model), mesh=mesh, reshard_after_forward=reshard_after_forward)
     group_ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    summary.update(sharded=True, units=units + 1, group=group_ranks,
-                   local_bytes=sum(_local(p).numel() * p.element_size() for p in model.parameters()))
-    logger.info("FSDP2: %.1fM parameters (%.1f MiB) sharded over ranks %s (dp %d x sp %d), %d units; this rank "
-                "holds %.1f MiB", summary["parameters"] / 1e6, summary["bytes"] / 2**20, group_ranks,
-                layout.dp_size, layout.sp_size, units + 1, summary["local_bytes"] / 2**20)
+    summary.update(
+        sharded=True,
+        units=units + 1,
+        group=group_ranks,
+        local_bytes=sum(_local(p).numel() * p.element_size() for p in model.parameters()),
+    )
+    logger.info(
+        "FSDP2: %.1fM parameters (%.1f MiB) sharded over ranks %s (dp %d x sp %d), %d units; this rank holds %.1f MiB",
+        summary["parameters"] / 1e6,
+        summary["bytes"] / 2**20,
+        group_ranks,
+        layout.dp_size,
+        layout.sp_size,
+        units + 1,
+        summary["local_bytes"] / 2**20,
+    )
     return summary
 
 

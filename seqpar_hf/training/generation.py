@@ -35,14 +35,15 @@ def generate_under_sp(model, inputs: dict, gen_kwargs: dict, kwargs_fn=None) -> 
         return model.generate(**inputs, **gen_kwargs)
 
 
-def generate_in_slices(model, layout: ParallelLayout, inputs: dict, gen_kwargs: dict, kwargs_fn=None,
-                       device=None) -> torch.Tensor:
-    """Tokens [rows, length] of the whole batch on every rank of the SP group; `kwargs_fn(inputs)` adds
-    per-slice `generate` arguments."""
+def generate_in_slices(
+    model, layout: ParallelLayout, inputs: dict, gen_kwargs: dict, kwargs_fn=None, device=None
+) -> torch.Tensor | None:
+    """Tokens [rows, length] of the whole batch on every rank of the SP group (None: no rows, SP group of
+    one); `kwargs_fn(inputs)` adds per-slice `generate` arguments."""
     rows = next(iter(inputs.values())).shape[0]
     sp, rank = layout.sp_size, layout.sp_rank
     bounds = [rows * i // sp for i in range(sp + 1)]  # contiguous slices keep the order
-    mine = {k: v[bounds[rank]:bounds[rank + 1]] for k, v in inputs.items()}
+    mine = {k: v[bounds[rank] : bounds[rank + 1]] for k, v in inputs.items()}
     if kwargs_fn is not None and bounds[rank + 1] > bounds[rank]:
         gen_kwargs = {**gen_kwargs, **kwargs_fn(mine)}
     if layout.sizes.tp_size > 1:
@@ -53,13 +54,13 @@ def generate_in_slices(model, layout: ParallelLayout, inputs: dict, gen_kwargs: 
         tokens = model.generate(**mine, **gen_kwargs) if bounds[rank + 1] > bounds[rank] else None
     if sp == 1:
         return tokens
-    pieces = [None] * sp
-    dist.all_gather_object(pieces, None if tokens is None else tokens.cpu(), group=layout.sp_group)
-    pieces = [p for p in pieces if p is not None]
+    gathered: list[torch.Tensor | None] = [None] * sp
+    dist.all_gather_object(gathered, None if tokens is None else tokens.cpu(), group=layout.sp_group)
+    pieces = [p for p in gathered if p is not None]
     width = max(p.shape[-1] for p in pieces)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad) for p in pieces]
-    return torch.cat(pieces).to(device)
+    padded = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad) for p in pieces]
+    return torch.cat(padded).to(device)
 
 
 def plain_copy(model):

@@ -33,8 +33,10 @@ def pack_pairs(lengths: Sequence[tuple[int, int]], max_tokens: int) -> list[list
     step is the caller's (the sampler's) decision; within a step the order does not matter."""
     for i, (src, tgt) in enumerate(lengths):
         if src > max_tokens or tgt > max_tokens:
-            raise ValueError(f"pair {i} has {src} source and {tgt} target tokens, longer than a packed row of "
-                             f"{max_tokens} tokens per side; raise the row size or truncate the pair")
+            raise ValueError(
+                f"pair {i} has {src} source and {tgt} target tokens, longer than a packed row of "
+                f"{max_tokens} tokens per side; raise the row size or truncate the pair"
+            )
     total_src, total_tgt = sum(s for s, _ in lengths), sum(t for _, t in lengths)
     n_rows = max(1, -(-total_src // max_tokens), -(-total_tgt // max_tokens))
     rows: list[list[int]] = [[] for _ in range(n_rows)]
@@ -65,8 +67,13 @@ class Seq2SeqPackingCollator:
     one fixed token (mBART starts each with its language code, its last label).
     """
 
-    def __init__(self, max_tokens: int, pad_token_id: int, decoder_start_token_id: int | None,
-                 pad_to_multiple_of: int | None = None):
+    def __init__(
+        self,
+        max_tokens: int,
+        pad_token_id: int,
+        decoder_start_token_id: int | None,
+        pad_to_multiple_of: int | None = None,
+    ):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         self.max_tokens, self.pad, self.start = max_tokens, pad_token_id, decoder_start_token_id
@@ -81,26 +88,28 @@ class Seq2SeqPackingCollator:
         src_w = self._width(max(sum(lengths[i][0] for i in row) for row in rows))
         tgt_w = self._width(max(sum(lengths[i][1] for i in row) for row in rows))
         n = len(rows)
-        out = {"input_ids": torch.full((n, src_w), self.pad, dtype=torch.long),
-               "attention_mask": torch.zeros(n, src_w, dtype=torch.long),
-               "position_ids": torch.zeros(n, src_w, dtype=torch.long),
-               "labels": torch.full((n, tgt_w), IGNORE_INDEX, dtype=torch.long),
-               "decoder_attention_mask": torch.zeros(n, tgt_w, dtype=torch.long),
-               "decoder_position_ids": torch.zeros(n, tgt_w, dtype=torch.long)}
+        out = {
+            "input_ids": torch.full((n, src_w), self.pad, dtype=torch.long),
+            "attention_mask": torch.zeros(n, src_w, dtype=torch.long),
+            "position_ids": torch.zeros(n, src_w, dtype=torch.long),
+            "labels": torch.full((n, tgt_w), IGNORE_INDEX, dtype=torch.long),
+            "decoder_attention_mask": torch.zeros(n, tgt_w, dtype=torch.long),
+            "decoder_position_ids": torch.zeros(n, tgt_w, dtype=torch.long),
+        }
         if self.start is not None:
             out["decoder_input_ids"] = torch.full((n, tgt_w), self.pad, dtype=torch.long)
         for r, row in enumerate(rows):
             s = t = 0
             for i in row:
                 src, tgt = list(features[i]["input_ids"]), list(features[i]["labels"])
-                out["input_ids"][r, s:s + len(src)] = torch.tensor(src)
-                out["attention_mask"][r, s:s + len(src)] = 1
-                out["position_ids"][r, s:s + len(src)] = torch.arange(len(src))
-                out["labels"][r, t:t + len(tgt)] = torch.tensor(tgt)
+                out["input_ids"][r, s : s + len(src)] = torch.tensor(src)
+                out["attention_mask"][r, s : s + len(src)] = 1
+                out["position_ids"][r, s : s + len(src)] = torch.arange(len(src))
+                out["labels"][r, t : t + len(tgt)] = torch.tensor(tgt)
                 if self.start is not None:
                     shifted = [self.start] + [x if x != IGNORE_INDEX else self.pad for x in tgt[:-1]]
-                    out["decoder_input_ids"][r, t:t + len(tgt)] = torch.tensor(shifted)
-                out["decoder_attention_mask"][r, t:t + len(tgt)] = 1
-                out["decoder_position_ids"][r, t:t + len(tgt)] = torch.arange(len(tgt))
+                    out["decoder_input_ids"][r, t : t + len(tgt)] = torch.tensor(shifted)
+                out["decoder_attention_mask"][r, t : t + len(tgt)] = 1
+                out["decoder_position_ids"][r, t : t + len(tgt)] = torch.arange(len(tgt))
                 s, t = s + len(src), t + len(tgt)
         return out

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import hashlib
 import json
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,17 +25,38 @@ from ..parallel.layout import ParallelLayout
 
 # Training-argument fields that may differ per rank: where a process writes and what it prints or reports.
 # Every other field changes the numbers or the collectives of training and must be the same on every rank.
-_PER_PROCESS = ("output_dir", "logging_dir", "run_name", "local_rank", "log_level", "log_level_replica",
-                "log_on_each_node", "disable_tqdm", "report_to", "project", "push_to_hub", "resume_from_checkpoint",
-                "skip_memory_metrics", "dataloader_num_workers", "dataloader_pin_memory",
-                "dataloader_persistent_workers", "dataloader_prefetch_factor", "ddp_timeout", "log_completions",
-                "log_completions_hub_repo", "num_completions_to_print", "log_unique_prompts", "log_multimodal")
+_PER_PROCESS = (
+    "output_dir",
+    "logging_dir",
+    "run_name",
+    "local_rank",
+    "log_level",
+    "log_level_replica",
+    "log_on_each_node",
+    "disable_tqdm",
+    "report_to",
+    "project",
+    "push_to_hub",
+    "resume_from_checkpoint",
+    "skip_memory_metrics",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "dataloader_persistent_workers",
+    "dataloader_prefetch_factor",
+    "ddp_timeout",
+    "log_completions",
+    "log_completions_hub_repo",
+    "num_completions_to_print",
+    "log_unique_prompts",
+    "log_multimodal",
+)
 _PER_PROCESS_PREFIXES = ("hub_", "trackio_")
 
 
 def _argument_values(args) -> dict:
-    return {k: v for k, v in args.to_dict().items()
-            if k not in _PER_PROCESS and not k.startswith(_PER_PROCESS_PREFIXES)}
+    return {
+        k: v for k, v in args.to_dict().items() if k not in _PER_PROCESS and not k.startswith(_PER_PROCESS_PREFIXES)
+    }
 
 
 def _as_text(value) -> str:
@@ -57,14 +79,17 @@ def check_same_arguments(args, device) -> None:
         all_gather_into(everyone, mine)  # [world]
     if len(set(everyone.tolist())) == 1:
         return
-    every = [None] * dist.get_world_size()
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, json.loads(_as_text(values)))
     keys = sorted(k for k in set().union(*every) if len({_as_text(e.get(k)) for e in every}) > 1)
-    raise ValueError(f"ranks disagree on the training arguments ({type(args).__name__}: " + "; ".join(
-        f"{k}: " + ", ".join(f"rank {r}: {e.get(k)!r}" for r, e in enumerate(every)) for k in keys[:8]) + "). Every "
+    raise ValueError(
+        f"ranks disagree on the training arguments ({type(args).__name__}: "
+        + "; ".join(f"{k}: " + ", ".join(f"rank {r}: {e.get(k)!r}" for r, e in enumerate(every)) for k in keys[:8])
+        + "). Every "
         "rank must train with the same arguments (only paths, names, logging and reporting may differ): per-rank "
         "optimizer settings would step the ranks of a replica apart, per-rank GRPO / RLOO settings would score "
-        "different groups. Pass the same arguments on every rank.")
+        "different groups. Pass the same arguments on every rank."
+    )
 
 
 def prepare_replica_data_loader(accelerator, layout: ParallelLayout, data_loader, device_placement=None):
@@ -74,12 +99,20 @@ def prepare_replica_data_loader(accelerator, layout: ParallelLayout, data_loader
         _compat.register_data_loader(accelerator, data_loader)
         return data_loader
     prepared = prepare_data_loader(
-        data_loader, accelerator.device, num_processes=layout.dp_size, process_index=layout.dp_rank,
+        data_loader,
+        accelerator.device,
+        num_processes=layout.dp_size,
+        process_index=layout.dp_rank,
         split_batches=accelerator.split_batches,
         put_on_device=accelerator.device_placement if device_placement is None else device_placement,
-        rng_types=accelerator.rng_types.copy(), dispatch_batches=False, even_batches=accelerator.even_batches,
-        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
-        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
     _compat.register_data_loader(accelerator, prepared)
     return prepared
 
@@ -104,15 +137,16 @@ class ReplicaMixin:
     layout: ParallelLayout
     eval_data_collator = None  # evaluation / prediction batches (None: the training collator)
 
-    def _setup_replica(self):
+    def _setup_replica(self) -> None:
         self._eval_steps: dict[str, int] = {}  # eval steps the last loop ran, per metric prefix
         self._eval_step_count = 0
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         # this trainer's accelerator only
-        self.accelerator.prepare_data_loader = functools.partial(prepare_replica_data_loader, self.accelerator,
-                                                                 self.layout)
+        self.accelerator.prepare_data_loader = functools.partial(
+            prepare_replica_data_loader, self.accelerator, self.layout
+        )
         # metrics gathered by the Trainer and by subclasses (TRL) count each replica once
         original = self.accelerator.gather_for_metrics
         self.accelerator.gather_for_metrics = functools.partial(self._gather_for_metrics, original)
@@ -121,7 +155,8 @@ class ReplicaMixin:
     def get_total_train_batch_size(self, args) -> int:
         # one replica counts once (transformers' own SP size is tied to accelerate's SP, whose dataloader
         # adapter changes the epoch length, so it stays 1 here)
-        return super().get_total_train_batch_size(args) // self.layout.replica_size
+        # a mixin: the Trainer follows it in the method resolution order
+        return super().get_total_train_batch_size(args) // self.layout.replica_size  # type: ignore[misc]
 
     # ---- evaluation batches: their own collator, the dataset's order ----------------------------------
 
@@ -169,7 +204,7 @@ class ReplicaMixin:
         data = one_per_replica(self.accelerator.gather(data), self.layout)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
-            data = recursively_apply(lambda t: t[:state.remainder], data)
+            data = recursively_apply(lambda t: t[: state.remainder], data)
         return data
 
     # ---- evaluation speed: the steps a replica ran together --------------------------------------------
@@ -178,12 +213,12 @@ class ReplicaMixin:
         self._eval_step_count += 1
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         self.gather_function = self.accelerator.gather_for_metrics  # the Trainer resets it after the loop
         self._eval_step_count = 0
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         self._eval_steps[metric_key_prefix] = self._eval_step_count
         return output
 

@@ -38,12 +38,19 @@ SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs
 
 # ---- what a checkpoint records ------------------------------------------------------------------
 
+
 def describe(layout, model, optimizer=None) -> dict:
     """The layout a checkpoint written now is written at, and how its optimizer state is keyed."""
-    record = {"sp_size": layout.sp_size, "tp_size": layout.sizes.tp_size, "dp_size": layout.dp_size,
-              "world_size": layout.world_size, "mode": layout.mode, "ring_size": layout.ring_size,
-              "fsdp": fsdp.is_fully_sharded(model),
-              "optimizer_keys": "names" if checkpoint.is_sharded(model) else "numbers"}
+    record = {
+        "sp_size": layout.sp_size,
+        "tp_size": layout.sizes.tp_size,
+        "dp_size": layout.dp_size,
+        "world_size": layout.world_size,
+        "mode": layout.mode,
+        "ring_size": layout.ring_size,
+        "fsdp": fsdp.is_fully_sharded(model),
+        "optimizer_keys": "names" if checkpoint.is_sharded(model) else "numbers",
+    }
     if optimizer is not None:
         record["optimizer_groups"] = group_names(model, optimizer)
     return record
@@ -52,8 +59,9 @@ def describe(layout, model, optimizer=None) -> dict:
 def group_names(model, optimizer) -> list[list[str]] | None:
     """The names of the parameters of each group (None: the optimizer holds tensors that are not the model's)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
-    return None if any(n is None for g in groups for n in g) else groups
+    if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
+        return None
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def write_record(folder: str, record: dict) -> None:
@@ -64,11 +72,14 @@ def write_record(folder: str, record: dict) -> None:
 def shown(record: dict | None) -> str:
     if record is None:
         return "a layout it does not record (no seqpar_layout.json)"
-    return (f"sp_size={record['sp_size']}, tp_size={record['tp_size']}, dp_size={record['dp_size']}"
-            f"{', FSDP' if record.get('fsdp') else ''}")
+    return (
+        f"sp_size={record['sp_size']}, tp_size={record['tp_size']}, dp_size={record['dp_size']}"
+        f"{', FSDP' if record.get('fsdp') else ''}"
+    )
 
 
 # ---- before loading: every file readable --------------------------------------------------------
+
 
 def _read_json(path: str):
     with open(path) as f:
@@ -77,6 +88,7 @@ def _read_json(path: str):
 
 def _read_safetensors(path: str) -> None:
     from safetensors import safe_open
+
     with safe_open(path, "pt"):  # parses the header and checks that the file covers every tensor it lists
         pass
 
@@ -91,10 +103,18 @@ def _read_torch(path: str):
 
 def _files(folder: str):
     """(path, reader) of every file of the checkpoint that resuming reads and that is there."""
-    readers = {"trainer_state.json": _read_json, RECORD_NAME: _read_json, "model.safetensors.index.json": _read_json,
-               "model.safetensors": _read_safetensors, "adapter_model.safetensors": _read_safetensors,
-               "pytorch_model.bin": _read_zip, "adapter_model.bin": _read_zip, "scaler.pt": _read_zip,
-               _compat.OPTIMIZER_NAME: _read_torch, _compat.SCHEDULER_NAME: _read_torch}
+    readers = {
+        "trainer_state.json": _read_json,
+        RECORD_NAME: _read_json,
+        "model.safetensors.index.json": _read_json,
+        "model.safetensors": _read_safetensors,
+        "adapter_model.safetensors": _read_safetensors,
+        "pytorch_model.bin": _read_zip,
+        "adapter_model.bin": _read_zip,
+        "scaler.pt": _read_zip,
+        _compat.OPTIMIZER_NAME: _read_torch,
+        _compat.SCHEDULER_NAME: _read_torch,
+    }
     for name in sorted(os.listdir(folder)):
         if name in readers:
             yield os.path.join(folder, name), readers[name]
@@ -113,27 +133,40 @@ def check(folder: str, current: dict) -> None:
     for path, reader in _files(folder):
         try:
             read[os.path.basename(path)] = reader(path)
-        except Exception as exc:  # noqa: BLE001 - every library's own error, said once with the file and the fix
+        except Exception as exc:
             raise ValueError(
                 f"{path} cannot be read ({type(exc).__name__}: {exc}): the file is truncated or corrupt (a save that "
                 f"was interrupted, a full disk). Resume from an earlier checkpoint, or delete {folder} "
-                "(resume_from_checkpoint=True then takes the one before it)") from exc
+                "(resume_from_checkpoint=True then takes the one before it)"
+            ) from exc
     missing = [n for n in (_compat.OPTIMIZER_NAME, _compat.SCHEDULER_NAME) if n not in read]
     if missing:
         step = (read.get("trainer_state.json") or {}).get("global_step", "?")
-        warnings.warn(f"{folder} has no {' or '.join(missing)}: the optimizer and the learning-rate scheduler start "
-                      f"fresh (no optimizer moments, the schedule from its first step) while training resumes at step "
-                      f"{step}. Resume from a checkpoint that has both to continue the same run.", stacklevel=3)
+        warnings.warn(
+            f"{folder} has no {' or '.join(missing)}: the optimizer and the learning-rate scheduler start "
+            f"fresh (no optimizer moments, the schedule from its first step) while training resumes at step "
+            f"{step}. Resume from a checkpoint that has both to continue the same run.",
+            stacklevel=3,
+        )
         return
     record = read.get(RECORD_NAME)
-    if (_keys(read[_compat.OPTIMIZER_NAME]) == "numbers" and current["optimizer_keys"] == "names"
-            and not (record or {}).get("optimizer_groups")):
-        raise ValueError(_refusal(
-            os.path.join(folder, _compat.OPTIMIZER_NAME), record, current,
-            "numbers the parameters (torch's Optimizer.state_dict, saved for a model without DTensor parameters) "
-            "without recording their names, so its state cannot be matched to this tensor-parallel or FSDP "
-            "model's parameters",
-            "a checkpoint saved there records the names and resumes at any layout", written="tp_size=1 without FSDP"))
+    if (
+        _keys(read[_compat.OPTIMIZER_NAME]) == "numbers"
+        and current["optimizer_keys"] == "names"
+        and not (record or {}).get("optimizer_groups")
+    ):
+        raise ValueError(
+            _refusal(
+                os.path.join(folder, _compat.OPTIMIZER_NAME),
+                record,
+                current,
+                "numbers the parameters (torch's Optimizer.state_dict, saved for a model without DTensor parameters) "
+                "without recording their names, so its state cannot be matched to this tensor-parallel or FSDP "
+                "model's parameters",
+                "a checkpoint saved there records the names and resumes at any layout",
+                written="tp_size=1 without FSDP",
+            )
+        )
 
 
 def _keys(state: dict) -> str:
@@ -143,12 +176,15 @@ def _keys(state: dict) -> str:
 def _refusal(path: str, record: dict | None, current: dict, why: str, then: str = "", written: str = "") -> str:
     """`written`: the layout it was written at, as far as the state itself tells, when the checkpoint records none."""
     written = shown(record) if record is not None else written
-    return (f"{path} was written at {shown(record) if record is not None else 'another layout'} and this run is at "
-            f"{shown(current)}: it {why}. Resume at the layout it was written at{f' ({written})' if written else ''} "
-            f"or from a checkpoint written at this one{'; ' + then if then else ''}")
+    return (
+        f"{path} was written at {shown(record) if record is not None else 'another layout'} and this run is at "
+        f"{shown(current)}: it {why}. Resume at the layout it was written at{f' ({written})' if written else ''} "
+        f"or from a checkpoint written at this one{'; ' + then if then else ''}"
+    )
 
 
 # ---- loading: the optimizer state by name, regrouped -------------------------------------------
+
 
 def has_optimizer_state(folder: str) -> bool:
     return all(os.path.isfile(os.path.join(folder, n)) for n in (_compat.OPTIMIZER_NAME, _compat.SCHEDULER_NAME))
@@ -177,8 +213,13 @@ def converted(folder: str, model, optimizer, current: dict) -> tuple[dict, dict]
     # this run's groups, each with the settings of the group its parameters were saved in: torch's loader would
     # give the settings of a saved group to one of the groups it was split into only
     regrouped = [{**saved["param_groups"][s], "params": group} for s, group in zip(sources, groups)]
-    logger.info("%s was written at %s; this run is at %s: its state is loaded by parameter name into %d groups",
-                path, shown(record), shown(current), len(groups))
+    logger.info(
+        "%s was written at %s; this run is at %s: its state is loaded by parameter name into %d groups",
+        path,
+        shown(record),
+        shown(current),
+        len(groups),
+    )
     return {"state": saved["state"], "param_groups": regrouped}, scheduler
 
 
@@ -190,11 +231,15 @@ def _record(folder: str) -> dict | None:
 def _by_name(state: dict, names: list[list[str]], path: str) -> dict:
     """torch numbers the parameters across the groups in order; the record names them in the same order."""
     if [len(g["params"]) for g in state["param_groups"]] != [len(g) for g in names]:
-        raise ValueError(f"{path} and the names recorded beside it ({RECORD_NAME}) list different parameter groups: "
-                         "the checkpoint is corrupt; resume from an earlier one")
+        raise ValueError(
+            f"{path} and the names recorded beside it ({RECORD_NAME}) list different parameter groups: "
+            "the checkpoint is corrupt; resume from an earlier one"
+        )
     name = {i: n for g, ns in zip(state["param_groups"], names) for i, n in zip(g["params"], ns)}
-    return {"state": {name[i]: s for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in state["param_groups"]]}
+    return {
+        "state": {name[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def group_sources(saved: dict, groups: list[list[str]], path: str, record: dict | None, current: dict) -> list[int]:
@@ -202,8 +247,15 @@ def group_sources(saved: dict, groups: list[list[str]], path: str, record: dict 
     where = {n: i for i, g in enumerate(saved["param_groups"]) for n in g["params"]}
     absent = [n for g in groups for n in g if n not in where]
     if absent:
-        raise ValueError(_refusal(path, record, current, f"has no state for {len(absent)} parameter(s) of this model "
-                                                         f"({absent[:3]}): it was written for another model"))
+        raise ValueError(
+            _refusal(
+                path,
+                record,
+                current,
+                f"has no state for {len(absent)} parameter(s) of this model "
+                f"({absent[:3]}): it was written for another model",
+            )
+        )
     sources = []
     for group in groups:
         found = sorted({where[n] for n in group})
@@ -223,10 +275,17 @@ def regroup_scheduler(state: dict, sources: list[int], saved_groups: int, path: 
     for key in SCHEDULER_PER_GROUP:
         if key in out:
             if len(out[key]) != saved_groups:
-                raise ValueError(_refusal(path, record, current, f"comes with a scheduler whose {key} has "
-                                                                 f"{len(out[key])} entries for {saved_groups} groups"))
+                raise ValueError(
+                    _refusal(
+                        path,
+                        record,
+                        current,
+                        f"comes with a scheduler whose {key} has {len(out[key])} entries for {saved_groups} groups",
+                    )
+                )
             out[key] = [out[key][s] for s in sources]
     if "_schedulers" in out:  # SequentialLR, ChainedScheduler: each inner scheduler's state
-        out["_schedulers"] = [regroup_scheduler(s, sources, saved_groups, path, record, current)
-                              for s in out["_schedulers"]]
+        out["_schedulers"] = [
+            regroup_scheduler(s, sources, saved_groups, path, record, current) for s in out["_schedulers"]
+        ]
     return out

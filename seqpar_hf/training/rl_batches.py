@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,13 @@ from .replica import one_per_replica
 # with the value it pads with ("pad": the tokenizer's pad id); fields with one value per row; fields that
 # are the same on every rank.
 LEFT = {"prompt_ids": "pad", "prompt_mask": 0}
-RIGHT = {"completion_ids": "pad", "completion_mask": 0, "old_per_token_logps": 0.0, "ref_per_token_logps": 0.0,
-         "tool_mask": 1}
+RIGHT = {
+    "completion_ids": "pad",
+    "completion_mask": 0,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "tool_mask": 1,
+}
 ROWS = ("advantages", "old_logps")
 SAME = ("num_items_in_batch",)
 
@@ -40,7 +46,7 @@ def check_same_prompts(inputs: list, layout: ParallelLayout, device) -> None:
     n = group_size(layout.sp_group)
     if n == 1:
         return
-    plain = lambda o: o.tolist() if hasattr(o, "tolist") else type(o).__name__  # noqa: E731 - tensors by value
+    plain = lambda o: o.tolist() if hasattr(o, "tolist") else type(o).__name__
     text = json.dumps(inputs, sort_keys=True, default=plain)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     mine = torch.tensor([len(inputs), digest], dtype=torch.long, device=device)
@@ -50,10 +56,13 @@ def check_same_prompts(inputs: list, layout: ParallelLayout, device) -> None:
     rows = everyone.view(n, 2).tolist()
     if all(r == rows[0] for r in rows):
         return
-    raise ValueError("ranks of one SP group hold different generation batches (" + ", ".join(
-        f"rank {k}: {r[0]} rows, sha256 {r[1] & 0xFFFFFFFF:08x}" for k, r in enumerate(rows)) + "). Every rank of an "
+    raise ValueError(
+        "ranks of one SP group hold different generation batches ("
+        + ", ".join(f"rank {k}: {r[0]} rows, sha256 {r[1] & 0xFFFFFFFF:08x}" for k, r in enumerate(rows))
+        + "). Every rank of an "
         "SP group must read the same prompts, the replica's batch, which the trainer splits among them: pass the "
-        "same train_dataset / eval_dataset (same rows, same order) and the same arguments on every rank.")
+        "same train_dataset / eval_dataset (same rows, same order) and the same arguments on every rank."
+    )
 
 
 def rank_rows(rows: int, layout: ParallelLayout) -> slice:
@@ -68,12 +77,14 @@ def gather_rows(batch: dict, layout: ParallelLayout, pad_id: int) -> dict:
     [sp * b, max w], padded as TRL pads them (so the result is what TRL builds from the whole batch)."""
     unknown = set(batch) - set(LEFT) - set(RIGHT) - set(ROWS) - set(SAME)
     if unknown:  # a field this version does not know how to pad: refuse rather than gather it wrongly
-        raise ValueError(f"seqpar_hf cannot gather the scored batch fields {sorted(unknown)} over the SP group "
-                         "(a TRL version newer than this code, or multimodal / vLLM inputs, which are not supported)")
+        raise ValueError(
+            f"seqpar_hf cannot gather the scored batch fields {sorted(unknown)} over the SP group "
+            "(a TRL version newer than this code, or multimodal / vLLM inputs, which are not supported)"
+        )
     if group_size(layout.sp_group) == 1:
         return batch
     device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
-    pieces = [None] * layout.sp_size
+    pieces: list[Any] = [None] * layout.sp_size
     local = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     dist.all_gather_object(pieces, local, group=layout.sp_group)  # sp dicts of [b, w_rank] tensors
     out = {}
@@ -101,14 +112,22 @@ def _pad_cat(values: list[torch.Tensor], side: str, fill) -> torch.Tensor:
     return torch.cat(padded)
 
 
-def group_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
-               layout: ParallelLayout, pad_id: int):
+def group_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, layout: ParallelLayout, pad_id: int
+):
     """The SP group's rows of a scoring forward, from this rank's [b, P + C] (prompt | completion) rows:
     ([sp * b, P_max + C_max] ids, mask, C_max, this rank's rows in them)."""
     prompt_width = input_ids.shape[1] - completion_width
-    rows = gather_rows({"prompt_ids": input_ids[:, :prompt_width], "prompt_mask": attention_mask[:, :prompt_width],
-                        "completion_ids": input_ids[:, prompt_width:],
-                        "completion_mask": attention_mask[:, prompt_width:]}, layout, pad_id)
+    rows = gather_rows(
+        {
+            "prompt_ids": input_ids[:, :prompt_width],
+            "prompt_mask": attention_mask[:, :prompt_width],
+            "completion_ids": input_ids[:, prompt_width:],
+            "completion_mask": attention_mask[:, prompt_width:],
+        },
+        layout,
+        pad_id,
+    )
     ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)  # [sp * b, P_max + C_max]
     mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
     b = input_ids.shape[0]
@@ -121,7 +140,7 @@ def sync_rng(layout: ParallelLayout, device: torch.device) -> None:
     their slices drew (sampling, reward functions)."""
     if group_size(layout.sp_group) == 1:
         return
-    states = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
+    states: list[Any] = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
     dist.broadcast_object_list(states, src=dist.get_global_rank(layout.sp_group, 0), group=layout.sp_group)
     torch.set_rng_state(states[0])
     if states[1] is not None:

@@ -22,9 +22,11 @@ from __future__ import annotations
 import builtins
 import os
 import shutil
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from .. import _compat
@@ -35,6 +37,8 @@ from . import checkpoint, resume
 class SafeCheckpointMixin:
     """The checkpoint-saving and resuming parts of `SequenceParallelMixin` (any model)."""
 
+    args: TrainingArguments  # (the Trainer's, declared for the type check: a mixin sets nothing)
+    state: TrainerState
     _staging: str | None = None  # the run dir the Trainer's _save_checkpoint writes into, during one save
     _save_errors: list | None = None  # this rank's failed writes during one checkpoint
 
@@ -92,8 +96,12 @@ class SafeCheckpointMixin:
             self.state.best_model_checkpoint = final
             if os.path.isfile(os.path.join(final, _compat.TRAINER_STATE_NAME)):
                 self.state.save_to_json(os.path.join(final, _compat.TRAINER_STATE_NAME))
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     # ---- the writes inside a checkpoint: kept, so the save goes on through its collectives ----------
 
@@ -155,8 +163,12 @@ class SafeCheckpointMixin:
             self._resuming = None
 
     def _issue_warnings_after_load(self, load_result):  # private Trainer hook, pinned in test_compat
-        checkpoint.check_keys(self.model, list(load_result.missing_keys), list(load_result.unexpected_keys),
-                              f"the checkpoint {self._resuming or ''}".rstrip())
+        checkpoint.check_keys(
+            self.model,
+            list(load_result.missing_keys),
+            list(load_result.unexpected_keys),
+            f"the checkpoint {self._resuming or ''}".rstrip(),
+        )
         if load_result.missing_keys:
             self.model.tie_weights()  # what the Trainer does when only tied or ignored keys are missing
 
@@ -173,14 +185,16 @@ def agree(error: BaseException | None, doing: str, device, after: str = "") -> N
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if not failed.item():
         return
-    reports = [None] * dist.get_world_size()
+    reports: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)))
     ranks = [r for r, rep in enumerate(reports) if rep is not None]
     cls_name, first = reports[ranks[0]]
     cls = getattr(builtins, cls_name, None)
     cls = cls if isinstance(cls, type) and issubclass(cls, (OSError, RuntimeError, ValueError)) else RuntimeError
-    raise cls(f"{doing} failed on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{after}: "
-              f"rank {ranks[0]}: {cls_name}: {first}") from error
+    raise cls(
+        f"{doing} failed on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{after}: "
+        f"rank {ranks[0]}: {cls_name}: {first}"
+    ) from error
 
 
 def attempt(fn, *args, **kwargs) -> BaseException | None:

@@ -26,6 +26,7 @@ class ShardedModelMixin:
             if checkpoint.is_sharded(model):
                 evaluation_mode = True  # accelerate's own words for "no DDP wrapper"
             return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
         self.accelerator.prepare_model = prepare
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -113,14 +114,17 @@ class ShardedModelMixin:
             return super()._load_optimizer_and_scheduler(checkpoint_dir)
         state = torch.load(os.path.join(checkpoint_dir, _compat.OPTIMIZER_NAME), weights_only=True)
         checkpoint.load_full_optimizer_state_dict(self.model, _compat.unwrap_optimizer(self.optimizer), state)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint_dir, _compat.SCHEDULER_NAME),
-                                                     weights_only=True))
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint_dir, _compat.SCHEDULER_NAME), weights_only=True)
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):  # private Trainer hook, pinned
         model = model if model is not None else self.model
         if not checkpoint.is_sharded(model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from safetensors.torch import load_file
+
         state_dict = load_file(os.path.join(resume_from_checkpoint, _compat.SAFE_WEIGHTS_NAME))
-        checkpoint.load_full_model_state_dict(self.accelerator.unwrap_model(model), state_dict,
-                                              f"the checkpoint {resume_from_checkpoint}")
+        checkpoint.load_full_model_state_dict(
+            self.accelerator.unwrap_model(model), state_dict, f"the checkpoint {resume_from_checkpoint}"
+        )

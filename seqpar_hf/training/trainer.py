@@ -44,16 +44,22 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
 
     def _setup_layout(self, model, args, layout: ParallelLayout | None):
         if args is None or not hasattr(args, "sp_size"):
-            raise TypeError(f"{type(self).__name__} needs sequence-parallel training arguments "
-                            "(SequenceParallelArguments, or the TRL configs in seqpar_hf.training.trl)")
-        args.device  # sets up the process group when launched distributed (accelerate / torchrun)
+            raise TypeError(
+                f"{type(self).__name__} needs sequence-parallel training arguments "
+                "(SequenceParallelArguments, or the TRL configs in seqpar_hf.training.trl)"
+            )
+        _ = args.device  # sets up the process group when launched distributed (accelerate / torchrun)
         _honor_precision_flags(args)
         announce.show_in_runs(args.should_log)  # the layout line, as transformers shows its own logs
         # the Trainer creates output_dir on the saving rank only: an unwritable one is an error on every rank
-        agree(attempt(os.makedirs, args.output_dir, exist_ok=True) if args.should_save else None,
-              f"creating output_dir {args.output_dir!r}", args.device)
-        self.layout = layout or ParallelLayout(args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size,
-                                                 head_chunks=args.head_chunks())
+        agree(
+            attempt(os.makedirs, args.output_dir, exist_ok=True) if args.should_save else None,
+            f"creating output_dir {args.output_dir!r}",
+            args.device,
+        )
+        self.layout = layout or ParallelLayout(
+            args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size, head_chunks=args.head_chunks()
+        )
         check_same_arguments(args, args.device)  # after the layout's own check, which names its fields better
         # the layout's groups wait as long as the default group (ddp_timeout), not torch's 30 minutes
         if model is not None and not isinstance(model, str):
@@ -92,14 +98,23 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
     `generate` arguments (e.g. a length limit from each source's length).
     """
 
-    def __init__(self, model=None, args: SequenceParallelArguments | None = None, *pargs,
-                 layout: ParallelLayout | None = None, eval_data_collator=None, generation_kwargs_fn=None,
-                 **kwargs):
+    args: SequenceParallelArguments  # (the Trainer sets it; its type narrowed for the type check)
+
+    def __init__(
+        self,
+        model=None,
+        args: SequenceParallelArguments | None = None,
+        *pargs,
+        layout: ParallelLayout | None = None,
+        eval_data_collator=None,
+        generation_kwargs_fn=None,
+        **kwargs,
+    ):
         if args is None or not isinstance(args, SequenceParallelArguments):
             raise TypeError("SequenceParallelTrainer needs args=SequenceParallelArguments(...)")
         self.eval_data_collator, self.generation_kwargs_fn = eval_data_collator, generation_kwargs_fn
         self._setup_layout(model, args, layout)
-        self._eval_batch_losses = []
+        self._eval_batch_losses: list[float] = []
         super().__init__(model, args, *pargs, **kwargs)
         # compute_loss normalises over the accumulated global batch itself (documented Trainer attributes)
         self.model_accepts_loss_kwargs = True
@@ -132,8 +147,9 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
             raise ValueError("SequenceParallelTrainer needs `labels` in the batch to compute a loss")
         if num_items_in_batch is None:
             num_items_in_batch = self._labelled_tokens([inputs])
-        outputs = model(**inputs, num_items_in_batch=num_items_in_batch,
-                        label_smoothing=self.args.label_smoothing_factor)
+        outputs = model(
+            **inputs, num_items_in_batch=num_items_in_batch, label_smoothing=self.args.label_smoothing_factor
+        )
         loss = global_batch_loss(outputs.loss, self.layout.dp_size)
         return (loss, outputs) if return_outputs else loss
 
@@ -176,23 +192,25 @@ class SequenceParallelTrainer(SequenceParallelMixin, Seq2SeqTrainer):
             return loss, None, None
         return loss, logits, labels  # different lengths across batches and ranks are padded by the loop
 
-    def _generate(self, inputs, gen_kwargs) -> torch.Tensor:
+    def _generate(self, inputs, gen_kwargs) -> torch.Tensor | None:
         if len(gen_kwargs) == 0:
             gen_kwargs = _compat.seq2seq_gen_kwargs(self)
         gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
-        generation_inputs = {k: v for k, v in inputs.items()
-                             if k not in ("labels", "decoder_input_ids", "decoder_attention_mask")}
+        generation_inputs = {
+            k: v for k, v in inputs.items() if k not in ("labels", "decoder_input_ids", "decoder_attention_mask")
+        }
         model = self.accelerator.unwrap_model(self.model)
         if use_sp(self.layout, self.args.sp_generate, self.args.sp_generate_min_tokens, generation_inputs):
             return generate_under_sp(model, generation_inputs, gen_kwargs, self.generation_kwargs_fn)
-        return generate_in_slices(model, self.layout, generation_inputs, gen_kwargs, self.generation_kwargs_fn,
-                                  self.args.device)
+        return generate_in_slices(
+            model, self.layout, generation_inputs, gen_kwargs, self.generation_kwargs_fn, self.args.device
+        )
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         self._eval_batch_losses = []
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         losses = np.array(self._eval_batch_losses)
         if f"{metric_key_prefix}_loss" in output.metrics and losses.size:
             # One process averages its batches' losses with equal weight; each of our steps is one

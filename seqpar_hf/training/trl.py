@@ -30,6 +30,14 @@ from ..parallel.layout import ParallelLayout
 from .arguments import SequenceParallelFields
 from .trainer import SequenceParallelMixin
 
+# GRPO and RLOO live in their own module (generation and scoring per rank); importable from here too
+from .trl_rl import (
+    SequenceParallelGRPOConfig,
+    SequenceParallelGRPOTrainer,
+    SequenceParallelRLOOConfig,
+    SequenceParallelRLOOTrainer,
+)
+
 
 @dataclass
 class SequenceParallelSFTConfig(SequenceParallelFields, SFTConfig):
@@ -64,8 +72,14 @@ class SequenceParallelSFTTrainer(_TRLSequenceParallel, SFTTrainer):
     the same global batch (loss, grad_norm, eval_loss, token accuracy, entropy, token counts), with
     `peft_config=`, gradient checkpointing, gradient accumulation, and padding-free / packed rows."""
 
-    def __init__(self, model, args: SequenceParallelSFTConfig | None = None, *pargs,
-                 layout: ParallelLayout | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: SequenceParallelSFTConfig | None = None,
+        *pargs,
+        layout: ParallelLayout | None = None,
+        **kwargs,
+    ):
         self._setup_layout(model, args, layout)  # patches a model object before TRL wraps its forward
         super().__init__(model, args, *pargs, **kwargs)
         self._finish_setup()
@@ -75,17 +89,27 @@ class SequenceParallelDPOTrainer(_TRLSequenceParallel, DPOTrainer):
     """TRL's `DPOTrainer`, sequence-parallel over `args.sp_size` ranks. The reference model may be a
     deep copy of the patched model (sequence-parallel too) or a separate model (run whole on every rank)."""
 
-    def __init__(self, model, ref_model=None, args: SequenceParallelDPOConfig | None = None, *pargs,
-                 layout: ParallelLayout | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args: SequenceParallelDPOConfig | None = None,
+        *pargs,
+        layout: ParallelLayout | None = None,
+        **kwargs,
+    ):
         self._setup_layout(model, args, layout)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
         self._finish_setup()
 
 
-# GRPO and RLOO live in their own module (generation and scoring per rank); importable from here too
-from .trl_rl import (SequenceParallelGRPOConfig, SequenceParallelGRPOTrainer,  # noqa: E402
-                     SequenceParallelRLOOConfig, SequenceParallelRLOOTrainer)
-
-__all__ = ["SequenceParallelSFTConfig", "SequenceParallelSFTTrainer", "SequenceParallelDPOConfig",
-           "SequenceParallelDPOTrainer", "SequenceParallelGRPOConfig", "SequenceParallelGRPOTrainer",
-           "SequenceParallelRLOOConfig", "SequenceParallelRLOOTrainer"]
+__all__ = [
+    "SequenceParallelSFTConfig",
+    "SequenceParallelSFTTrainer",
+    "SequenceParallelDPOConfig",
+    "SequenceParallelDPOTrainer",
+    "SequenceParallelGRPOConfig",
+    "SequenceParallelGRPOTrainer",
+    "SequenceParallelRLOOConfig",
+    "SequenceParallelRLOOTrainer",
+]

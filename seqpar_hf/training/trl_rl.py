@@ -19,7 +19,9 @@ holding the replica's batch. How it works, and its limits: README "GRPO and RLOO
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from accelerate.utils import set_seed
 from transformers import ProcessorMixin
@@ -28,8 +30,8 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
 from .. import _compat
-from ..models.patch import is_patched, original_attn_implementation, patch_model, sp_disabled
 from ..models.forward.rng import per_rank_stream
+from ..models.patch import is_patched, original_attn_implementation, patch_model, sp_disabled
 from ..parallel.layout import ParallelLayout
 from . import fsdp
 from .arguments import SequenceParallelFields
@@ -64,32 +66,42 @@ def check_rl_args(args) -> None:
     """Refuse, before any collective, what the SP GRPO / RLOO trainers cannot do."""
     name = type(args).__name__
     if args.tp_size > 1:
-        raise ValueError(f"{name}: tp_size={args.tp_size} is not supported: each rank generates its slice with the "
-                         "plain model, which needs the full weights (a gathered copy per generation); use tp_size=1")
+        raise ValueError(
+            f"{name}: tp_size={args.tp_size} is not supported: each rank generates its slice with the "
+            "plain model, which needs the full weights (a gathered copy per generation); use tp_size=1"
+        )
     if args.use_vllm:
         raise ValueError(
             f"{name}: use_vllm=True (vllm_mode={args.vllm_mode!r}) is not supported with sp_size={args.sp_size}. "
             "Generation runs on each rank's slice of its SP group's rows with transformers `generate`; with vLLM the "
             "slices would go to the server once (server mode: gathered over the world, each completion once) or to "
             "an engine per rank (colocate mode: sp engines per replica, each holding the whole model), and the weight "
-            "sync and importance-sampling correction are untested here. Set use_vllm=False")
+            "sync and importance-sampling correction are untested here. Set use_vllm=False"
+        )
     if args.use_transformers_continuous_batching:
-        raise ValueError(f"{name}: use_transformers_continuous_batching=True is not supported with SP (its paged "
-                         "attention forward bypasses the SP patch); set it to False to generate with `generate`")
+        raise ValueError(
+            f"{name}: use_transformers_continuous_batching=True is not supported with SP (its paged "
+            "attention forward bypasses the SP patch); set it to False to generate with `generate`"
+        )
     if fsdp.fsdp_requested(args) or args.deepspeed:
-        raise ValueError(f"{name}: FSDP / DeepSpeed are not supported with the SP GRPO / RLOO trainers yet: each rank "
-                         "generates its own slice, which would need the full parameters gathered per generation; "
-                         "train with DDP (the default)")
+        raise ValueError(
+            f"{name}: FSDP / DeepSpeed are not supported with the SP GRPO / RLOO trainers yet: each rank "
+            "generates its own slice, which would need the full parameters gathered per generation; "
+            "train with DDP (the default)"
+        )
     rows = args.per_device_train_batch_size * args.steps_per_generation
     if rows % args.sp_size:
         raise ValueError(
             f"{name}: a replica's generation batch (per_device_train_batch_size x steps_per_generation = "
             f"{args.per_device_train_batch_size} x {args.steps_per_generation} = {rows} rows) must be a multiple of "
             f"sp_size={args.sp_size}: each rank of an SP group generates and rewards an equal slice of it. Change "
-            "per_device_train_batch_size or steps_per_generation (gradient_accumulation_steps)")
+            "per_device_train_batch_size or steps_per_generation (gradient_accumulation_steps)"
+        )
     if args.eval_strategy != "no" and args.per_device_eval_batch_size % args.sp_size:
-        raise ValueError(f"{name}: per_device_eval_batch_size={args.per_device_eval_batch_size} must be a multiple "
-                         f"of sp_size={args.sp_size} (each rank of an SP group generates an equal slice)")
+        raise ValueError(
+            f"{name}: per_device_eval_batch_size={args.per_device_eval_batch_size} must be a multiple "
+            f"of sp_size={args.sp_size} (each rank of an SP group generates an equal slice)"
+        )
 
 
 def check_eval_rows(args, eval_dataset) -> None:
@@ -103,10 +115,12 @@ def check_eval_rows(args, eval_dataset) -> None:
     for name, data in sets.items():
         rows = len(data) * (args.num_generations_eval or args.num_generations) if hasattr(data, "__len__") else 0
         if rows % batch:
-            raise ValueError(f"{type(args).__name__}: eval set {name!r} makes {rows} rows ({len(data)} prompts x "
-                             f"num_generations), not a multiple of the global eval batch (per_device_eval_batch_size x "
-                             f"replicas = {args.per_device_eval_batch_size} x {replicas} = {batch}); trim the eval set "
-                             "or change per_device_eval_batch_size")
+            raise ValueError(
+                f"{type(args).__name__}: eval set {name!r} makes {rows} rows ({len(data)} prompts x "
+                f"num_generations), not a multiple of the global eval batch (per_device_eval_batch_size x "
+                f"replicas = {args.per_device_eval_batch_size} x {replicas} = {batch}); trim the eval set "
+                "or change per_device_eval_batch_size"
+            )
 
 
 @dataclass
@@ -130,17 +144,26 @@ class _RLSequenceParallel(SequenceParallelMixin):
     """What GRPO and RLOO share: slice-wise scoring, the group's batch for the loss, the reference model."""
 
     _scoring = False  # True while this rank scores its slice of the group's rows
+    # what GRPOTrainer / RLOOTrainer set and define, declared for the type check (a mixin sets nothing)
+    args: Any  # a GRPOConfig or an RLOOConfig (each trainer declares its own)
+    temperature: float
+    ref_model: Any
+    add_callback: Callable[..., None]
 
     def _init_rl(self, trl_init, model, args, layout, ref_model, processing_class, eval_dataset, config_class):
         if not isinstance(args, config_class):
             raise TypeError(f"{type(self).__name__} needs args={config_class.__name__}(...)")
         check_eval_rows(args, eval_dataset)
         if isinstance(processing_class, ProcessorMixin):
-            raise ValueError(f"{type(self).__name__}: multimodal processors are not supported under SP (image inputs "
-                             "are not sliced per rank); pass a tokenizer")
+            raise ValueError(
+                f"{type(self).__name__}: multimodal processors are not supported under SP (image inputs "
+                "are not sliced per rank); pass a tokenizer"
+            )
         if ref_model is not None and getattr(args, "cast_lm_head_to_fp32", False):
-            raise ValueError("cast_lm_head_to_fp32=True with ref_model=...: TRL casts only a reference it loads "
-                             "itself; pass ref_model=None (TRL loads it from the policy's path) or cast it yourself")
+            raise ValueError(
+                "cast_lm_head_to_fp32=True with ref_model=...: TRL casts only a reference it loads "
+                "itself; pass ref_model=None (TRL loads it from the policy's path) or cast it yourself"
+            )
         self._setup_layout(model, args, layout)  # collective from here on (process groups)
         beta, sync = args.beta, getattr(args, "sync_ref_model", False)  # RLOO has no sync_ref_model
         take_ref = ref_model is not None and beta != 0.0
@@ -197,7 +220,9 @@ class _RLSequenceParallel(SequenceParallelMixin):
             mine = super()._generate_and_score_completions(inputs[rank_rows(len(inputs), self.layout)])
         finally:
             self._scoring = False
-        batch = gather_rows(mine, self.layout, _compat.trl_tokenizer(self).pad_token_id)  # the group's rows, on every rank
+        batch = gather_rows(
+            mine, self.layout, _compat.trl_tokenizer(self).pad_token_id
+        )  # the group's rows, on every rank
         sync_rng(self.layout, self.accelerator.device)
         return batch
 
@@ -208,17 +233,21 @@ class _RLSequenceParallel(SequenceParallelMixin):
         with per_rank_stream(self.layout.sp_rank, self.accelerator.device), sp_disabled(self.model):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
+    ):
         if not (self._scoring and is_patched(model)):  # the loss's rows, or a reference run whole on each rank
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              batch_size, **kwargs)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+            )
         # a sequence-parallel model runs the group's rows on every rank of the group; keep this rank's
-        ids, mask, width, mine = group_rows(input_ids, attention_mask, logits_to_keep, self.layout,
-                                           _compat.trl_tokenizer(self).pad_token_id)
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size,
-                                                                           **kwargs)
-        crop = (lambda t: None if t is None else t[mine, :logits_to_keep])  # [sp * b, C_max] -> [b, C]
+        ids, mask, width, mine = group_rows(
+            input_ids, attention_mask, logits_to_keep, self.layout, _compat.trl_tokenizer(self).pad_token_id
+        )
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, ids, mask, width, batch_size, **kwargs
+        )
+        crop = lambda t: None if t is None else t[mine, :logits_to_keep]  # [sp * b, C_max] -> [b, C]
         return crop(logps), crop(entropies), aux
 
     # ---- the loss: the group's rows on every rank, one process per replica ---------------------------------
@@ -238,20 +267,58 @@ class SequenceParallelGRPOTrainer(_RLSequenceParallel, GRPOTrainer):
     `ref_model=`: a patched copy of the policy (sequence-parallel) or a separate model (run whole on each
     rank's slice); by default TRL's (loaded from the policy's path, then patched) or the PEFT base model."""
 
-    def __init__(self, model, reward_funcs=None, args: SequenceParallelGRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, *pargs, ref_model=None, layout: ParallelLayout | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: SequenceParallelGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        *pargs,
+        ref_model=None,
+        layout: ParallelLayout | None = None,
+        **kwargs,
+    ):
         def trl_init():
             GRPOTrainer.__init__(self, model, reward_funcs, args, train_dataset, eval_dataset, *pargs, **kwargs)
-        self._init_rl(trl_init, model, args, layout, ref_model, kwargs.get("processing_class"), eval_dataset,
-                      SequenceParallelGRPOConfig)
+
+        self._init_rl(
+            trl_init,
+            model,
+            args,
+            layout,
+            ref_model,
+            kwargs.get("processing_class"),
+            eval_dataset,
+            SequenceParallelGRPOConfig,
+        )
 
 
 class SequenceParallelRLOOTrainer(_RLSequenceParallel, RLOOTrainer):
     """TRL's `RLOOTrainer`, sequence-parallel over `args.sp_size` ranks (see `SequenceParallelGRPOTrainer`)."""
 
-    def __init__(self, model, reward_funcs, args: SequenceParallelRLOOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, *pargs, ref_model=None, layout: ParallelLayout | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: SequenceParallelRLOOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        *pargs,
+        ref_model=None,
+        layout: ParallelLayout | None = None,
+        **kwargs,
+    ):
         def trl_init():
             RLOOTrainer.__init__(self, model, reward_funcs, args, train_dataset, eval_dataset, *pargs, **kwargs)
-        self._init_rl(trl_init, model, args, layout, ref_model, kwargs.get("processing_class"), eval_dataset,
-                      SequenceParallelRLOOConfig)
+
+        self._init_rl(
+            trl_init,
+            model,
+            args,
+            layout,
+            ref_model,
+            kwargs.get("processing_class"),
+            eval_dataset,
+            SequenceParallelRLOOConfig,
+        )

@@ -11,9 +11,23 @@ import sys
 import torch
 import torch.distributed as dist
 
-NAMES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce", "all_to_all_single", "all_to_all",
-         "reduce_scatter_tensor", "broadcast", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
-         "all_gather_object")
+NAMES = (
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather",
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "all_gather_object",
+)
 
 
 def _bytes(args) -> int:
@@ -35,10 +49,14 @@ def counting():
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
-            inputs = args[1:2] if name in ("all_gather_into_tensor", "all_gather_single", "all_to_all_single",
-                                           "reduce_scatter_tensor") else args[:1]
+            inputs = (
+                args[1:2]
+                if name in ("all_gather_into_tensor", "all_gather_single", "all_to_all_single", "reduce_scatter_tensor")
+                else args[:1]
+            )
             calls.append((name, _bytes(inputs) if name != "all_gather" else _bytes(args[1:2])))
             return fn(*args, **kwargs)
+
         return counted
 
     wrappers = {id(fn): wrap(name, fn) for name, fn in originals.items()}

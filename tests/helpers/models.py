@@ -5,20 +5,45 @@ from __future__ import annotations
 
 import torch
 import transformers
-from transformers import (BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM, M2M100Config,
-                          M2M100ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
-                          MBartForConditionalGeneration, MistralConfig, MistralForCausalLM, PegasusConfig,
-                          PegasusForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    LlamaConfig,
+    LlamaForCausalLM,
+    M2M100Config,
+    M2M100ForConditionalGeneration,
+    MarianConfig,
+    MarianMTModel,
+    MBartConfig,
+    MBartForConditionalGeneration,
+    MistralConfig,
+    MistralForCausalLM,
+    PegasusConfig,
+    PegasusForConditionalGeneration,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 VOCAB = 97
 NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 
 
 def seq2seq_config(family: str, heads: int = 4, d_model: int = 24, layers: int = 2, **overrides):
-    common = dict(vocab_size=VOCAB, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
-                  encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=40,
-                  decoder_ffn_dim=40, max_position_embeddings=128, pad_token_id=0, eos_token_id=2,
-                  decoder_start_token_id=0, **NO_DROPOUT)
+    common = dict(
+        vocab_size=VOCAB,
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=40,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+        **NO_DROPOUT,
+    )
     common.update(overrides)
     if family == "marian":
         return MarianConfig(**common)
@@ -35,9 +60,20 @@ def seq2seq_config(family: str, heads: int = 4, d_model: int = 24, layers: int =
 
 
 def causal_config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2, **overrides):
-    common = dict(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=48, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                  max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=heads * head_dim,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attention_dropout=0.0,
+    )
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common)
@@ -49,8 +85,9 @@ def causal_config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int 
     config_class = getattr(transformers, extra["config"])
     if extra.get("mla"):
         common["num_key_value_heads"] = heads
-    kwargs = {k: v for k, v in {**common, **extra.get("kwargs", {}), **overrides}.items()
-              if k not in extra.get("drop", ())}
+    kwargs = {
+        k: v for k, v in {**common, **extra.get("kwargs", {}), **overrides}.items() if k not in extra.get("drop", ())
+    }
     return config_class(**kwargs)
 
 
@@ -58,42 +95,99 @@ def causal_config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int 
 # each one exercises a structural feature (noted).
 CAUSAL_EXTRA = {
     "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM"),  # q/k norm
-    "qwen3_moe": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM",  # mixture of experts
-                      kwargs=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
-    "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM",  # mixture of experts
-                    kwargs=dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": dict(
+        config="Qwen3MoeConfig",
+        model="Qwen3MoeForCausalLM",  # mixture of experts
+        kwargs=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    ),
+    "mixtral": dict(
+        config="MixtralConfig",
+        model="MixtralForCausalLM",  # mixture of experts
+        kwargs=dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
     "phi3": dict(config="Phi3Config", model="Phi3ForCausalLM", drop=("head_dim",)),  # fused qkv projection
     "gemma": dict(config="GemmaConfig", model="GemmaForCausalLM"),
-    "gemma2": dict(config="Gemma2Config", model="Gemma2ForCausalLM",  # alternating sliding window
-                   kwargs=dict(attn_logit_softcapping=None, final_logit_softcapping=30.0, sliding_window=4,
-                               query_pre_attn_scalar=8)),
-    "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM",  # 5 local : 1 global
-                   kwargs=dict(sliding_window=4, query_pre_attn_scalar=8,
-                               layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": dict(
+        config="Gemma2Config",
+        model="Gemma2ForCausalLM",  # alternating sliding window
+        kwargs=dict(
+            attn_logit_softcapping=None, final_logit_softcapping=30.0, sliding_window=4, query_pre_attn_scalar=8
+        ),
+    ),
+    "gemma3": dict(
+        config="Gemma3TextConfig",
+        model="Gemma3ForCausalLM",  # 5 local : 1 global
+        kwargs=dict(sliding_window=4, query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"]),
+    ),
     "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM"),  # norms after attention, q/k norm
-    "smollm3": dict(config="SmolLM3Config", model="SmolLM3ForCausalLM",  # layers without rotary (NoPE)
-                    kwargs=dict(no_rope_layer_interval=2)),
-    "gpt_neox": dict(config="GPTNeoXConfig", model="GPTNeoXForCausalLM",  # partial rotary, fused qkv
-                     drop=("num_key_value_heads", "head_dim"),
-                     kwargs=dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                  "partial_rotary_factor": 0.5}, hidden_dropout=0.0)),
+    "smollm3": dict(
+        config="SmolLM3Config",
+        model="SmolLM3ForCausalLM",  # layers without rotary (NoPE)
+        kwargs=dict(no_rope_layer_interval=2),
+    ),
+    "gpt_neox": dict(
+        config="GPTNeoXConfig",
+        model="GPTNeoXForCausalLM",  # partial rotary, fused qkv
+        drop=("num_key_value_heads", "head_dim"),
+        kwargs=dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            hidden_dropout=0.0,
+        ),
+    ),
     # multi-head latent attention with the released checkpoints' widths, scaled: q/k 12 (8 + 4 rotary) per head,
     # v 8 (as 192 vs 128); `v_head_dim=16` for a value wider than q/k. Every head has its own k (kv heads = heads)
-    "deepseek_v3": dict(config="DeepseekV3Config", model="DeepseekV3ForCausalLM", drop=("head_dim",), mla=True,
-                        kwargs=dict(qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16,
-                                    q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                    n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
-    "deepseek_v2": dict(config="DeepseekV2Config", model="DeepseekV2ForCausalLM", mla=True,  # q without a LoRA (Lite)
-                        kwargs=dict(head_dim=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16,
-                                    q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1)),
+    "deepseek_v3": dict(
+        config="DeepseekV3Config",
+        model="DeepseekV3ForCausalLM",
+        drop=("head_dim",),
+        mla=True,
+        kwargs=dict(
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
+    "deepseek_v2": dict(
+        config="DeepseekV2Config",
+        model="DeepseekV2ForCausalLM",
+        mla=True,  # q without a LoRA (Lite)
+        kwargs=dict(
+            head_dim=4,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+        ),
+    ),
 }
 
 
-MODEL_CLASSES = {"marian": MarianMTModel, "bart": BartForConditionalGeneration, "mbart": MBartForConditionalGeneration,
-                 "pegasus": PegasusForConditionalGeneration, "m2m100": M2M100ForConditionalGeneration,
-                 "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
-                 **{name: getattr(transformers, extra["model"]) for name, extra in CAUSAL_EXTRA.items()}}
+MODEL_CLASSES = {
+    "marian": MarianMTModel,
+    "bart": BartForConditionalGeneration,
+    "mbart": MBartForConditionalGeneration,
+    "pegasus": PegasusForConditionalGeneration,
+    "m2m100": M2M100ForConditionalGeneration,
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    **{name: getattr(transformers, extra["model"]) for name, extra in CAUSAL_EXTRA.items()},
+}
 SEQ2SEQ = ("marian", "bart", "mbart", "pegasus", "m2m100")
 
 
@@ -118,15 +212,19 @@ def rope(rope_type: str, head_dim: int = 8, original: int = 8) -> dict:
     elif rope_type == "yarn":
         params.update(factor=4.0, original_max_position_embeddings=original)
     elif rope_type == "longrope":
-        params.update(short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[2.0 + 0.5 * i for i in range(half)],
-                      original_max_position_embeddings=original)
+        params.update(
+            short_factor=[1.0 + 0.1 * i for i in range(half)],
+            long_factor=[2.0 + 0.5 * i for i in range(half)],
+            original_max_position_embeddings=original,
+        )
     elif rope_type == "llama3":
         params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=original)
     return params
 
 
-def seq2seq_batch(seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9, pad: bool = True,
-                  empty_source: bool = False):
+def seq2seq_batch(
+    seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9, pad: bool = True, empty_source: bool = False
+):
     """Right-padded source and target; sample 1's source is mostly padding (2 real tokens), or all
     padding with `empty_source` (every key of its attention rows masked)."""
     g = torch.Generator().manual_seed(seed)
@@ -134,10 +232,10 @@ def seq2seq_batch(seed: int, batch: int = 3, src_len: int = 13, tgt_len: int = 9
     labels = torch.randint(3, VOCAB, (batch, tgt_len), generator=g)
     attention_mask = torch.ones(batch, src_len, dtype=torch.long)
     if pad:
-        attention_mask[1, 0 if empty_source else 2:] = 0
+        attention_mask[1, 0 if empty_source else 2 :] = 0
         if batch > 2:
-            attention_mask[2, src_len - 3:] = 0
-        labels[0, tgt_len - 2:] = -100
+            attention_mask[2, src_len - 3 :] = 0
+        labels[0, tgt_len - 2 :] = -100
     input_ids[attention_mask == 0] = 0
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
@@ -153,9 +251,9 @@ def causal_batch(seed: int, batch: int = 3, length: int = 11, pad: bool = True, 
     attention_mask = torch.ones(batch, length, dtype=torch.long)
     if pad:
         attention_mask[1, :3] = 0 if left_pad else 1
-        attention_mask[1, length - 2:] = 1 if left_pad else 0
+        attention_mask[1, length - 2 :] = 1 if left_pad else 0
         if batch > 2:
-            attention_mask[2, length - 4:] = 0
+            attention_mask[2, length - 4 :] = 0
     input_ids[attention_mask == 0] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -11,6 +11,7 @@ import os
 import socket
 import traceback
 from datetime import timedelta
+from queue import Empty
 
 import torch.multiprocessing as mp
 
@@ -26,9 +27,16 @@ def _entry(rank, world_size, port, fn, args, queue):
     import torch.distributed as dist
 
     # the variables torchrun sets, so accelerate/Trainer see a multi-process CPU job
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      ACCELERATE_USE_CPU="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        ACCELERATE_USE_CPU="1",
+    )
     torch.set_num_threads(1)  # N processes share 2 cores
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
@@ -54,7 +62,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
             if errors:
                 break
-    except Exception as exc:  # queue.Empty: some rank hangs
+    except Empty as exc:  # some rank hangs
         errors.append(f"timed out after {timeout}s waiting for ranks ({type(exc).__name__})")
     finally:
         for p in procs:

@@ -39,4 +39,4 @@ def all_checks() -> dict:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    return {"after_patch": after_patch, "after_forwards": after_forwards, "auto": handler.lines[len(after_forwards):]}
+    return {"after_patch": after_patch, "after_forwards": after_forwards, "auto": handler.lines[len(after_forwards) :]}

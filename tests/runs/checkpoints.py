@@ -29,6 +29,7 @@ def failing_torch_save(when=lambda: True):
         if dist.get_rank() == 0 and when():
             raise NO_SPACE
         return original(*args, **kwargs)
+
     torch.save = save
     try:
         yield
@@ -69,7 +70,7 @@ def _damage(path: str, remove: bool = False) -> None:
             with open(path, "rb") as f:
                 data = f.read()
             with open(path, "wb") as f:
-                f.write(data[:len(data) // 2])
+                f.write(data[: len(data) // 2])
     dist.barrier()
 
 
@@ -88,11 +89,13 @@ def cases(results: dict) -> None:
         _edit_weights(os.path.join(out, "checkpoint-1"), drop="model.decoder.layers.0.encoder_attn.out_proj.bias")
         resumed = resumed_at[path] = _trainer(path, out + "-resumed")
         results[f"resume-missing-weight-{path}"] = attempt(
-            lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1")))
+            lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+        )
         if path == "plain":
             _edit_weights(os.path.join(out, "checkpoint-1"), add="model.no_such.weight")
             results["resume-unexpected-weight-plain"] = attempt(
-                lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1")))
+                lambda: resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+            )
             with failing_torch_save():
                 results["save-model-fails"] = attempt(lambda: resumed.save_model(out + "-final"))
     # resuming at tp 2 a checkpoint written at tp 1 that does not record its optimizer's parameter names (written
@@ -106,5 +109,6 @@ def cases(results: dict) -> None:
     if dist.get_rank() == 0:
         open(a_file, "w").close()
     results["output-dir-unwritable"] = attempt(lambda: make_trainer(sp=2, output_dir=os.path.join(a_file, "out")))
-    results["trainer-sp-sizes-differ"] = attempt(lambda: make_trainer(sp=per_rank((2, 1)),
-                                                                       output_dir=os.path.join(base, "sp")))
+    results["trainer-sp-sizes-differ"] = attempt(
+        lambda: make_trainer(sp=per_rank((2, 1)), output_dir=os.path.join(base, "sp"))
+    )

@@ -23,8 +23,8 @@ def plain_trainer(results: dict, layout) -> None:
     process group set up by hand, no launcher variables): no DDP, no data split, so each rank steps on its own
     shard's gradient. Every rank must stop at the second step's forward."""
     from accelerate.state import AcceleratorState
-    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
     from torch.nn.parallel import DistributedDataParallel
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
     from .trainer import collate, synthetic_dataset
 
@@ -37,12 +37,25 @@ def plain_trainer(results: dict, layout) -> None:
     saved = {k: os.environ.pop(k) for k in _LAUNCH_VARIABLES if k in os.environ}
     AcceleratorState._reset_state(reset_partial_state=True)  # accelerate's process state, read from them (private)
     try:
-        args = Seq2SeqTrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
-                                        learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
-                                        disable_tqdm=True, dataloader_num_workers=0)
+        args = Seq2SeqTrainingArguments(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=4,
+            max_steps=3,
+            learning_rate=1e-3,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
         model = seqpar_hf.patch_model(build_model("marian"), layout)
-        trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=synthetic_dataset(24, seed=1),
-                                 data_collator=collate, callbacks=[Steps()])
+        trainer = Seq2SeqTrainer(
+            model=model,
+            args=args,
+            train_dataset=synthetic_dataset(24, seed=1),
+            data_collator=collate,
+            callbacks=[Steps()],
+        )
         results["plain-trainer-diverges"] = attempt(trainer.train)
         results["plain-trainer-diverges-steps"] = (steps, isinstance(trainer.model_wrapped, DistributedDataParallel))
     finally:
@@ -65,6 +78,7 @@ def per_rank_learning_rate(layout):
             optimizer.step()
             optimizer.zero_grad()
             steps.append(1)
+
     return train, steps
 
 
@@ -80,6 +94,7 @@ def cases(results: dict) -> None:
         with torch.no_grad():
             model.model.norm.weight.to_local().add_(dist.get_rank())
         model(**make_batch("llama", seed=0))
+
     results["tp-norm-differs"] = attempt(tp_norm_differs)
 
     def generate_and_forward():
@@ -89,8 +104,11 @@ def cases(results: dict) -> None:
             model.generate(input_ids=batch["input_ids"], max_new_tokens=2, do_sample=False)
         else:
             model(**batch)
+
     results["generate-and-forward"] = attempt(generate_and_forward)
 
     from .trainer import make_trainer
+
     results["trainer-learning-rates-differ"] = attempt(
-        lambda: make_trainer(sp=2, extra=dict(learning_rate=per_rank((1e-3, 2e-3)))))
+        lambda: make_trainer(sp=2, extra=dict(learning_rate=per_rank((1e-3, 2e-3))))
+    )

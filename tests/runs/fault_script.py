@@ -7,9 +7,9 @@ import time
 # the repository instead of this script's folder (whose modules would shadow packages)
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402 - after sys.path[0] is the repository
 
-from tests.runs.trainer import make_trainer  # noqa: E402
+from tests.runs.trainer import make_trainer  # noqa: E402 - likewise
 
 
 class Inject(TrainerCallback):

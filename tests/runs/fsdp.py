@@ -53,10 +53,20 @@ def plain_loop(case: dict) -> dict:
     if dist.get_rank() == 0:
         want = reference.state_dict()
         worst = max(relative_error(v, want[k]) for k, v in state.items() if v.is_floating_point())
-    optimizer_bytes = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-                          for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    return {"name": case["name"], "param_err": worst, "losses": losses, "ref_losses": ref_losses,
-            "summary": summary, "optimizer_bytes": optimizer_bytes}
+    optimizer_bytes = sum(
+        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    return {
+        "name": case["name"],
+        "param_err": worst,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "summary": summary,
+        "optimizer_bytes": optimizer_bytes,
+    }
 
 
 def run_loops(cases: list[dict]) -> list[dict]:
@@ -64,7 +74,10 @@ def run_loops(cases: list[dict]) -> list[dict]:
 
 
 # (FSDP with TP on Marian: the Trainer's tp2xsp2-fsdp run in tests/test_trainer_gloo.py)
-LOOPS = [dict(name="sp2xdp2-llama", family="llama", sp=2), dict(name="sp2xdp2-marian", family="marian", sp=2),
-         dict(name="sp4-ring-llama", family="llama", sp=4, mode="ring"),
-         dict(name="sp2xdp2-llama-tiled-loss", family="llama", sp=2, tiled=True),
-         dict(name="tp2xsp2-llama", family="llama", sp=2, tp=2)]
+LOOPS = [
+    dict(name="sp2xdp2-llama", family="llama", sp=2),
+    dict(name="sp2xdp2-marian", family="marian", sp=2),
+    dict(name="sp4-ring-llama", family="llama", sp=4, mode="ring"),
+    dict(name="sp2xdp2-llama-tiled-loss", family="llama", sp=2, tiled=True),
+    dict(name="tp2xsp2-llama", family="llama", sp=2, tp=2),
+]

@@ -9,8 +9,13 @@ import copy
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import (LogitsProcessor, LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList,
-                          SuppressTokensLogitsProcessor)
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    SuppressTokensLogitsProcessor,
+)
 
 import seqpar_hf
 
@@ -32,7 +37,7 @@ def inputs_for(family: str, seed: int, rank_offset: int = 0) -> dict:
         if family in SEQ2SEQ:
             mask[row, :n] = 1  # sources: right padding
         else:
-            mask[row, width - n:] = 1  # prompts: left padding, as generate wants
+            mask[row, width - n :] = 1  # prompts: left padding, as generate wants
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
@@ -48,11 +53,27 @@ def _finite_error(got: tuple, want: tuple) -> float:
 
 
 # Gemma 3n's KV-shared layers: layers 2 and 3 store no K/V and attend over those of layers 0 (sliding) and 1
-GEMMA3N = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-               eos_token_id=2, sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2,
-               num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-               laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
+GEMMA3N = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=3,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    num_kv_shared_layers=2,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+    laurel_rank=4,
+    altup_num_inputs=2,
+    activation_sparsity_pattern=[0.0] * 4,
+)
 
 
 def _build(family: str, **config):
@@ -67,14 +88,17 @@ def _build(family: str, **config):
 def _objects() -> dict:
     """generate arguments json cannot write: tuple keys (also in the generation config, which they update),
     a processor object, a stopping criterion whose state (its start time) differs per process."""
-    return dict(sequence_bias={(11,): 5.0, (7, 8): -3.0},
-                logits_processor=LogitsProcessorList([SuppressTokensLogitsProcessor([5, 6])]),
-                stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600.0)]))
+    return dict(
+        sequence_bias={(11,): 5.0, (7, 8): -3.0},
+        logits_processor=LogitsProcessorList([SuppressTokensLogitsProcessor([5, 6])]),
+        stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600.0)]),
+    )
 
 
 def run_case(case: dict) -> dict:
-    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"))
+    layout = seqpar_hf.ParallelLayout(
+        sp_size=case["sp"], mode=case.get("mode", "ulysses"), ring_size=case.get("ring_size")
+    )
     family = case["family"]
     # the tiny encoder-decoders' default init (std 0.02) decodes the same tokens for every source
     lively = dict(init_std=0.3) if family in SEQ2SEQ else {}
@@ -82,19 +106,31 @@ def run_case(case: dict) -> dict:
     reference = copy.deepcopy(model)
     seqpar_hf.patch_model(model, layout)
     inputs = inputs_for(family, seed=case.get("seed", 7))
-    kwargs = dict(max_new_tokens=case.get("new", 5), min_new_tokens=case.get("new", 5), num_beams=case.get("beams", 1),
-                  do_sample=case.get("sample", False), return_dict_in_generate=True, output_scores=True,
-                  output_logits=True, **(_objects() if case.get("objects") else {}))
+    kwargs = dict(
+        max_new_tokens=case.get("new", 5),
+        min_new_tokens=case.get("new", 5),
+        num_beams=case.get("beams", 1),
+        do_sample=case.get("sample", False),
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        **(_objects() if case.get("objects") else {}),
+    )
     torch.manual_seed(11)  # sampling: the same seed on every rank, and for the reference
     out = model.generate(**inputs, **kwargs)
     torch.manual_seed(11)
     want = reference.generate(**inputs, **kwargs)
     tokens = [None] * layout.sp_size
     dist.all_gather_object(tokens, out.sequences.tolist(), group=layout.sp_group)
-    result = {"name": case["name"], "rank": layout.rank, "tokens_equal": torch.equal(out.sequences, want.sequences),
-              "same_on_every_rank": all(t == tokens[0] for t in tokens),
-              "scores_err": _finite_error(out.scores, want.scores),
-              "logits_err": _finite_error(out.logits, want.logits), "length": out.sequences.shape[1]}
+    result = {
+        "name": case["name"],
+        "rank": layout.rank,
+        "tokens_equal": torch.equal(out.sequences, want.sequences),
+        "same_on_every_rank": all(t == tokens[0] for t in tokens),
+        "scores_err": _finite_error(out.scores, want.scores),
+        "logits_err": _finite_error(out.logits, want.logits),
+        "length": out.sequences.shape[1],
+    }
     if case.get("beams", 1) > 1:
         result["sequence_scores_err"] = relative_error(out.sequences_scores, want.sequences_scores)
     windowed = "sliding_window" in case.get("model", {})
@@ -147,12 +183,25 @@ def _cases(world: int) -> list[dict]:
         dict(base, name="sp4-ulysses-llama-greedy", family="llama"),
         dict(base, name="sp4-hybrid-llama-beam4", family="llama", mode="hybrid", ring_size=2, beams=4),
         dict(base, name="sp4-ring-qwen2-beam4", family="qwen2", mode="ring", beams=4),
-        dict(base, name="sp4-hybrid-qwen2-window-sample", family="qwen2", mode="hybrid", ring_size=2,
-             model=qwen_window, sample=True),
+        dict(
+            base,
+            name="sp4-hybrid-qwen2-window-sample",
+            family="qwen2",
+            mode="hybrid",
+            ring_size=2,
+            model=qwen_window,
+            sample=True,
+        ),
         dict(base, name="sp4-ulysses-mistral-window-greedy", family="mistral", model=window),
         dict(base, name="sp4-ring-mistral-window-beam4", family="mistral", mode="ring", model=window, beams=4),
-        dict(base, name="sp4-hybrid-gemma3-sliding-and-global-beam4", family="gemma3", mode="hybrid", ring_size=2,
-             beams=4),
+        dict(
+            base,
+            name="sp4-hybrid-gemma3-sliding-and-global-beam4",
+            family="gemma3",
+            mode="hybrid",
+            ring_size=2,
+            beams=4,
+        ),
         dict(base, name="sp4-ring-mixtral-moe-greedy", family="mixtral", mode="ring"),
     ]
 
@@ -179,19 +228,26 @@ def refusals() -> dict:
     out = {
         "prompt_lookup": _message(lambda: model.generate(**inputs, **gen, prompt_lookup_num_tokens=2)),
         "static_cache": _message(lambda: model.generate(**inputs, **gen, cache_implementation="static")),
-        "output_attentions": _message(lambda: model.generate(**inputs, **gen, output_attentions=True,
-                                                             return_dict_in_generate=True)),
+        "output_attentions": _message(
+            lambda: model.generate(**inputs, **gen, output_attentions=True, return_dict_in_generate=True)
+        ),
         "no_cache": _message(lambda: model.generate(**inputs, **gen, use_cache=False)),
-        "inputs_embeds": _message(lambda: model.generate(
-            inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]), attention_mask=inputs["attention_mask"],
-            **gen)),
+        "inputs_embeds": _message(
+            lambda: model.generate(
+                inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]),
+                attention_mask=inputs["attention_mask"],
+                **gen,
+            )
+        ),
         "position_ids": _message(lambda: model.generate(**inputs, **gen, position_ids=torch.arange(11)[None])),
-        "encoder_outputs": _message(lambda: marian.generate(**inputs_for("marian", 3), **gen,
-                                                            encoder_outputs=(torch.zeros(3, 13, 24),))),
+        "encoder_outputs": _message(
+            lambda: marian.generate(**inputs_for("marian", 3), **gen, encoder_outputs=(torch.zeros(3, 13, 24),))
+        ),
         "different_inputs": _message(lambda: model.generate(**inputs_for("llama", seed=3, rank_offset=rank), **gen)),
         "different_settings": _message(lambda: marian.generate(**inputs_for("marian", 3), max_new_tokens=3 + rank)),
-        "one_rank_refuses": _message(lambda: model.generate(**inputs, **gen, output_attentions=rank == 0,
-                                                            return_dict_in_generate=True)),
+        "one_rank_refuses": _message(
+            lambda: model.generate(**inputs, **gen, output_attentions=rank == 0, return_dict_in_generate=True)
+        ),
         "different_sequence_bias": _message(lambda: model.generate(**inputs, **gen, sequence_bias={(11 + rank,): 5.0})),
         # validated before sharding, as a forward's: not an IndexError on the rank holding positions >= 128
         "source_past_positions": _message(lambda: marian.generate(input_ids=torch.randint(3, VOCAB, (2, 200)), **gen)),
@@ -238,16 +294,22 @@ def bf16_checks(new: int = 20) -> list[dict]:
         eager.set_attn_implementation("eager")
         seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=2, mode=mode))
         inputs = inputs_for(family, seed=7)
-        kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True,
-                      output_logits=True)
+        kwargs = dict(
+            max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
         got = model.generate(**inputs, **kwargs)
         free = reference.generate(**inputs, **kwargs).sequences
         forced = LogitsProcessorList([_Force(got.sequences)])
         want = reference.generate(**inputs, **kwargs, logits_processor=forced).logits
         other = eager.generate(**inputs, **kwargs, logits_processor=forced).logits
-        out.append({"name": f"bf16-{mode}-{family}", "tokens_equal": torch.equal(got.sequences, free),
-                    "logits_err": max(relative_error(a.float(), b.float()) for a, b in zip(got.logits, want)),
-                    "eager_vs_sdpa": max(relative_error(a.float(), b.float()) for a, b in zip(other, want))})
+        out.append(
+            {
+                "name": f"bf16-{mode}-{family}",
+                "tokens_equal": torch.equal(got.sequences, free),
+                "logits_err": max(relative_error(a.float(), b.float()) for a, b in zip(got.logits, want)),
+                "eager_vs_sdpa": max(relative_error(a.float(), b.float()) for a, b in zip(other, want)),
+            }
+        )
     return out
 
 
@@ -266,10 +328,14 @@ def trainer_checks() -> dict:
         mismatches = 0
         for i in range(len(trainer.eval_dataset)):
             single = collate([trainer.eval_dataset[i]])
-            expected = reference.generate(input_ids=single["input_ids"], attention_mask=single["attention_mask"],
-                                          max_new_tokens=5, do_sample=False)[0].tolist()
+            expected = reference.generate(
+                input_ids=single["input_ids"],
+                attention_mask=single["attention_mask"],
+                max_new_tokens=5,
+                do_sample=False,
+            )[0].tolist()
             got = [t for t in generated[i].tolist() if t >= 0]
-            mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
+            mismatches += got[: len(expected)] != expected or any(t != 0 for t in got[len(expected) :])
         beams = trainer.predict(trainer.eval_dataset, max_new_tokens=5, num_beams=2).predictions
         result[setting] = {"rows": len(generated), "mismatches": mismatches, "beam_tokens": beams.tolist()}
     return result

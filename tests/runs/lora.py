@@ -14,8 +14,10 @@ from seqpar_hf import _compat
 
 from ..helpers.models import build_model, make_batch, relative_error
 
+
 def _lora():
     from peft import LoraConfig
+
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
@@ -60,7 +62,9 @@ def _orders():
             loss.backward(), want.backward()
             _ddp_average(model, layout)
             results[f"{order}-checkpointing" if checkpointing else order] = (
-                relative_error(loss, want), _lora_grad_error(model, reference))
+                relative_error(loss, want),
+                _lora_grad_error(model, reference),
+            )
     return results
 
 
@@ -81,8 +85,10 @@ def _merge_generate_save():
     model.eval(), plain.eval()
 
     prompt = {"input_ids": batch["input_ids"][:1, 3:], "attention_mask": batch["attention_mask"][:1, 3:]}
-    out["generate"] = torch.equal(model.generate(**prompt, max_new_tokens=5, do_sample=False),
-                                  plain.generate(**prompt, max_new_tokens=5, do_sample=False))
+    out["generate"] = torch.equal(
+        model.generate(**prompt, max_new_tokens=5, do_sample=False),
+        plain.generate(**prompt, max_new_tokens=5, do_sample=False),
+    )
 
     with tempfile.TemporaryDirectory() as tmp:  # the adapter of a patched model is a plain adapter
         path = [tmp if dist.get_rank() == 0 else None]
@@ -103,13 +109,20 @@ def _merge_generate_save():
     loss, want = merged(**batch).loss, plain_merged(**batch).loss
     loss.backward(), want.backward()
     _ddp_average(merged, layout)
-    out["merged"] = (relative_error(loss, want),
-                     max(relative_error(p.grad, q.grad, floor=1e-4) for p, q in
-                         zip(merged.parameters(), plain_merged.parameters()) if q.grad is not None))
+    out["merged"] = (
+        relative_error(loss, want),
+        max(
+            relative_error(p.grad, q.grad, floor=1e-4)
+            for p, q in zip(merged.parameters(), plain_merged.parameters())
+            if q.grad is not None
+        ),
+    )
     seqpar_hf.unpatch_model(merged)
-    out["unpatched_merged_is_plain"] = (not seqpar_hf.is_patched(merged)
-                                        and _compat.attn_implementation(merged.config) == "sdpa"
-                                        and "forward" not in merged.model.__dict__)
+    out["unpatched_merged_is_plain"] = (
+        not seqpar_hf.is_patched(merged)
+        and _compat.attn_implementation(merged.config) == "sdpa"
+        and "forward" not in merged.model.__dict__
+    )
     return out
 
 
@@ -129,4 +142,3 @@ def _unpatch_after_trl():
 
 def all_checks():  # the trl group runs only where TRL and PEFT are installed (conftest.py)
     return {"orders": _orders(), "merge": _merge_generate_save(), "trl": _unpatch_after_trl()}
-

@@ -35,8 +35,9 @@ def _docs(seed: int, lengths=DOC_LENGTHS) -> list[list[int]]:
 def causal_packed_batch(seed: int, flash_kwargs: bool = True, rows: int = 1, lengths=DOC_LENGTHS) -> dict:
     """`rows` packed rows of the same documents (rows > 1: position_ids [rows, T], no flash kwargs)."""
     docs = _docs(seed, lengths)
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d, "labels": d}
-                                                                               for d in docs])
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
+        [{"input_ids": d, "labels": d} for d in docs]
+    )
     if rows > 1:
         rolled = [_docs(seed + r, DOC_LENGTHS[r:] + DOC_LENGTHS[:r]) for r in range(rows)]
         flat = [DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in ds]) for ds in rolled]
@@ -46,13 +47,16 @@ def causal_packed_batch(seed: int, flash_kwargs: bool = True, rows: int = 1, len
 
 def seq2seq_pairs(seed: int, lengths=PAIR_LENGTHS) -> list[tuple[list[int], list[int]]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(3, VOCAB, (a,), generator=g).tolist(), torch.randint(3, VOCAB, (b,), generator=g).tolist())
-            for a, b in lengths]
+    return [
+        (torch.randint(3, VOCAB, (a,), generator=g).tolist(), torch.randint(3, VOCAB, (b,), generator=g).tolist())
+        for a, b in lengths
+    ]
 
 
 def seq2seq_packed_batch(seed: int, max_tokens: int = 12, lengths=PAIR_LENGTHS, start: int | None = 0) -> dict:
     return Seq2SeqPackingCollator(max_tokens, pad_token_id=0, decoder_start_token_id=start)(
-        [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed, lengths)])
+        [{"input_ids": s, "labels": t} for s, t in seq2seq_pairs(seed, lengths)]
+    )
 
 
 def _model(case: dict):
@@ -60,6 +64,7 @@ def _model(case: dict):
         import warnings
 
         from conformance.tiny import build_tiny
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return build_tiny("opt", "OPTForCausalLM")[0]
@@ -70,8 +75,12 @@ def run_case(case: dict) -> dict:
     """`case`: name, family, sp, mode, ring_size, head_chunks, model, flash_kwargs, rows; `mask`: an
     attention_mask of ones (the positions are then only positions); `refused`: the forward must raise
     (returns the message)."""
-    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
+    layout = seqpar_hf.ParallelLayout(
+        sp_size=case["sp"],
+        mode=case.get("mode", "ulysses"),
+        ring_size=case.get("ring_size"),
+        head_chunks=case.get("head_chunks", "auto"),
+    )
     family = case["family"]
     model = _model(case)
     # training as the Trainer and TRL run it: transformers keeps packed documents apart only without a cache
@@ -89,16 +98,20 @@ def run_case(case: dict) -> dict:
     if family in SEQ2SEQ:
         lengths = MANY_PAIRS if many else PAIR_LENGTHS
         # start None: the collator leaves decoder inputs to the model, which builds each pair's (mBART: its last label)
-        batch = seq2seq_packed_batch(7, 160 if many else 12, lengths,
-                                     start=None if case.get("model_decoder_inputs") else 0)
+        batch = seq2seq_packed_batch(
+            7, 160 if many else 12, lengths, start=None if case.get("model_decoder_inputs") else 0
+        )
         loss = model(**batch).loss
         pairs = seq2seq_pairs(7, lengths)
         tokens = sum(len(t) for _, t in pairs)
-        ref_loss = sum(reference(input_ids=torch.tensor([s]), labels=torch.tensor([t])).loss * len(t)
-                       for s, t in pairs) / tokens
+        ref_loss = (
+            sum(reference(input_ids=torch.tensor([s]), labels=torch.tensor([t])).loss * len(t) for s, t in pairs)
+            / tokens
+        )
     else:
-        batch = causal_packed_batch(7, case.get("flash_kwargs", True), case.get("rows", 1),
-                                    MANY_DOCS if many else DOC_LENGTHS)
+        batch = causal_packed_batch(
+            7, case.get("flash_kwargs", True), case.get("rows", 1), MANY_DOCS if many else DOC_LENGTHS
+        )
         if case.get("mask"):
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         loss = model(**batch).loss
@@ -120,28 +133,40 @@ def run_cases(cases: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # the cases, per world size
 
+
 def _cases(sp: int, modes) -> list[dict]:
     cases = []
     for mode, ring in modes:
         base = dict(sp=sp, mode=mode, ring_size=ring)
         tag = f"sp{sp}-{mode}"
-        cases += [dict(base, name=f"{tag}-llama", family="llama"),
-                  dict(base, name=f"{tag}-llama-no-flash-kwargs", family="llama", flash_kwargs=False),
-                  dict(base, name=f"{tag}-llama-two-rows", family="llama", rows=2),
-                  dict(base, name=f"{tag}-mistral-window-3", family="mistral", model=dict(sliding_window=3)),
-                  dict(base, name=f"{tag}-marian", family="marian"),
-                  dict(base, name=f"{tag}-bart", family="bart"),
-                  dict(base, name=f"{tag}-m2m100", family="m2m100"),
-                  dict(base, name=f"{tag}-llama-many-documents", family="llama", many=True),
-                  dict(base, name=f"{tag}-mistral-window-3-many-documents", family="mistral",
-                       model=dict(sliding_window=3), many=True),
-                  dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True),
-                  dict(base, name=f"{tag}-mbart-decoder-inputs-from-labels", family="mbart",
-                       model_decoder_inputs=True),
-                  # OPT does not keep documents apart: with an attention_mask its rows run as it runs them
-                  # (restarting learned positions, sharded), without one they are refused
-                  dict(base, name=f"{tag}-opt-restarting-positions-with-attention-mask", family="opt",
-                       flash_kwargs=False, mask=True)]
+        cases += [
+            dict(base, name=f"{tag}-llama", family="llama"),
+            dict(base, name=f"{tag}-llama-no-flash-kwargs", family="llama", flash_kwargs=False),
+            dict(base, name=f"{tag}-llama-two-rows", family="llama", rows=2),
+            dict(base, name=f"{tag}-mistral-window-3", family="mistral", model=dict(sliding_window=3)),
+            dict(base, name=f"{tag}-marian", family="marian"),
+            dict(base, name=f"{tag}-bart", family="bart"),
+            dict(base, name=f"{tag}-m2m100", family="m2m100"),
+            dict(base, name=f"{tag}-llama-many-documents", family="llama", many=True),
+            dict(
+                base,
+                name=f"{tag}-mistral-window-3-many-documents",
+                family="mistral",
+                model=dict(sliding_window=3),
+                many=True,
+            ),
+            dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True),
+            dict(base, name=f"{tag}-mbart-decoder-inputs-from-labels", family="mbart", model_decoder_inputs=True),
+            # OPT does not keep documents apart: with an attention_mask its rows run as it runs them
+            # (restarting learned positions, sharded), without one they are refused
+            dict(
+                base,
+                name=f"{tag}-opt-restarting-positions-with-attention-mask",
+                family="opt",
+                flash_kwargs=False,
+                mask=True,
+            ),
+        ]
         if mode == "ulysses":  # refused before sharding, whatever the mode
             cases.append(dict(base, name=f"{tag}-opt-refused", family="opt", refused=True))
     return cases
@@ -150,15 +175,19 @@ def _cases(sp: int, modes) -> list[dict]:
 def _cases_sp4() -> list[dict]:
     # four ranks share two cores here: the documents that cross the most boundaries, each mode
     keep = ("llama", "llama-many-documents", "marian", "m2m100")
-    return [c for c in _cases(4, [("ulysses", None), ("ring", None), ("hybrid", 2)])
-            if c["name"].split("-", 2)[2] in keep]
+    return [
+        c for c in _cases(4, [("ulysses", None), ("ring", None), ("hybrid", 2)]) if c["name"].split("-", 2)[2] in keep
+    ]
 
 
-CASES = {1: _cases(1, [("ulysses", None)]),
-         2: _cases(2, [("ulysses", None), ("ring", None)])
-         + [dict(sp=2, name="sp2-ulysses-head-chunks-2-llama-many-documents", family="llama", many=True, head_chunks=2),
-            dict(sp=2, name="sp2-ulysses-head-chunks-2-marian", family="marian", head_chunks=2),
-            # v's head width apart from q/k's (latent attention), attended document by document
-            dict(sp=2, name="sp2-ulysses-deepseek_v3-many-documents", family="deepseek_v3", many=True)],
-         4: _cases_sp4()}
-
+CASES = {
+    1: _cases(1, [("ulysses", None)]),
+    2: _cases(2, [("ulysses", None), ("ring", None)])
+    + [
+        dict(sp=2, name="sp2-ulysses-head-chunks-2-llama-many-documents", family="llama", many=True, head_chunks=2),
+        dict(sp=2, name="sp2-ulysses-head-chunks-2-marian", family="marian", head_chunks=2),
+        # v's head width apart from q/k's (latent attention), attended document by document
+        dict(sp=2, name="sp2-ulysses-deepseek_v3-many-documents", family="deepseek_v3", many=True),
+    ],
+    4: _cases_sp4(),
+}

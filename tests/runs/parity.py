@@ -37,8 +37,12 @@ def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
     overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels
     instead of loss + gradients), float64 (the model in float64)."""
-    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"), head_chunks=case.get("head_chunks", "auto"))
+    layout = seqpar_hf.ParallelLayout(
+        sp_size=case["sp"],
+        mode=case.get("mode", "ulysses"),
+        ring_size=case.get("ring_size"),
+        head_chunks=case.get("head_chunks", "auto"),
+    )
     family = case["family"]
     model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
     if case.get("float64"):  # the ring's math path (the fused CPU kernel takes no float64)
@@ -97,11 +101,13 @@ def run_case(case: dict) -> dict:
             (loss / layout.dp_size).backward()
             ref_losses.append(loss.detach())
     result["loss"] = out.loss.item()
-    result["loss_err"] = abs(out.loss.item() - ref_losses[layout.dp_rank].item()) / abs(ref_losses[layout.dp_rank].item())
+    result["loss_err"] = abs(out.loss.item() - ref_losses[layout.dp_rank].item()) / abs(
+        ref_losses[layout.dp_rank].item()
+    )
     result["grad_err"], result["worst_param"] = grad_errors(model, reference)
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, out.loss.item())
-    result["group_losses"] = losses[layout.sp_size * layout.dp_rank: layout.sp_size * (layout.dp_rank + 1)]
+    result["group_losses"] = losses[layout.sp_size * layout.dp_rank : layout.sp_size * (layout.dp_rank + 1)]
     return result
 
 
@@ -116,8 +122,19 @@ MODES = [("ulysses", None), ("ring", None)]
 
 
 # Every family beyond the first seven, each with a structural feature of its own (tests/helpers/models.py).
-NEW_FAMILIES = ["m2m100", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "gemma3", "olmo2", "smollm3",
-                "gpt_neox"]
+NEW_FAMILIES = [
+    "m2m100",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "olmo2",
+    "smollm3",
+    "gpt_neox",
+]
 
 
 ROPE_TYPES = ["linear", "dynamic", "yarn", "longrope", "llama3"]
@@ -131,8 +148,10 @@ def _family_case(family: str) -> dict:
 
 def _rope_case(rope_type: str) -> dict:
     # trained on 8 positions, run on 11 (dynamic: max_position_embeddings is its original length)
-    return dict(family="llama", model=dict(rope_parameters=rope(rope_type),
-                                           max_position_embeddings=8 if rope_type == "dynamic" else 32))
+    return dict(
+        family="llama",
+        model=dict(rope_parameters=rope(rope_type), max_position_embeddings=8 if rope_type == "dynamic" else 32),
+    )
 
 
 def _coverage_cases(base: dict, tag: str) -> list[dict]:
@@ -140,19 +159,44 @@ def _coverage_cases(base: dict, tag: str) -> list[dict]:
     cases = [dict(base, name=f"{tag}-{f}", **_family_case(f)) for f in NEW_FAMILIES]
     cases += [dict(base, name=f"{tag}-llama-rope-{r}", **_rope_case(r)) for r in ROPE_TYPES]
     cases += [
-        dict(base, name=f"{tag}-phi3-longrope", family="phi3",
-             model=dict(rope_parameters=rope("longrope"), max_position_embeddings=32, original_max_position_embeddings=8)),
+        dict(
+            base,
+            name=f"{tag}-phi3-longrope",
+            family="phi3",
+            model=dict(
+                rope_parameters=rope("longrope"), max_position_embeddings=32, original_max_position_embeddings=8
+            ),
+        ),
         # the dry run's 25 tokens grow dynamic RoPE's frequencies; a batch at the table length neither grows nor
         # resets them, so it ran with the grown ones until the dry run restored the buffer it re-registers
-        dict(base, name=f"{tag}-llama-rope-dynamic-at-table-length", family="llama",
-             model=dict(rope_parameters=rope("dynamic"), max_position_embeddings=8), batch=dict(length=8, pad=False)),
+        dict(
+            base,
+            name=f"{tag}-llama-rope-dynamic-at-table-length",
+            family="llama",
+            model=dict(rope_parameters=rope("dynamic"), max_position_embeddings=8),
+            batch=dict(length=8, pad=False),
+        ),
         dict(base, name=f"{tag}-mistral-window-4", family="mistral", model=dict(sliding_window=4)),
-        dict(base, name=f"{tag}-qwen2-window-4", family="qwen2",
-             model=dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
-        dict(base, name=f"{tag}-llama-checkpointing-two-forwards", family="llama", checkpointing=True,
-             second_batch=dict(length=7)),
-        dict(base, name=f"{tag}-marian-checkpointing-two-forwards", family="marian", checkpointing=True,
-             second_batch=dict(src_len=6, tgt_len=5)),
+        dict(
+            base,
+            name=f"{tag}-qwen2-window-4",
+            family="qwen2",
+            model=dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        ),
+        dict(
+            base,
+            name=f"{tag}-llama-checkpointing-two-forwards",
+            family="llama",
+            checkpointing=True,
+            second_batch=dict(length=7),
+        ),
+        dict(
+            base,
+            name=f"{tag}-marian-checkpointing-two-forwards",
+            family="marian",
+            checkpointing=True,
+            second_batch=dict(src_len=6, tgt_len=5),
+        ),
         dict(base, name=f"{tag}-llama-deepcopy", family="llama", deepcopy=True),
         dict(base, name=f"{tag}-marian-deepcopy", family="marian", deepcopy=True),
     ]
@@ -168,7 +212,12 @@ def _cases_world2():
             dict(base, name=f"{tag}-marian-padded-odd", family="marian"),
             dict(base, name=f"{tag}-marian-uneven-heads", family="marian", model=dict(heads=3)),
             dict(base, name=f"{tag}-marian-src-shorter-than-tgt", family="marian", batch=dict(src_len=5, tgt_len=12)),
-            dict(base, name=f"{tag}-marian-length-1", family="marian", batch=dict(src_len=1, tgt_len=1, pad=False, batch=2)),
+            dict(
+                base,
+                name=f"{tag}-marian-length-1",
+                family="marian",
+                batch=dict(src_len=1, tgt_len=1, pad=False, batch=2),
+            ),
             dict(base, name=f"{tag}-marian-no-padding", family="marian", batch=dict(src_len=12, tgt_len=8, pad=False)),
             dict(base, name=f"{tag}-marian-empty-source", family="marian", batch=dict(empty_source=True)),
             dict(base, name=f"{tag}-bart", family="bart"),
@@ -190,8 +239,10 @@ def _cases_world2():
     # Mixtral's router turns rounding into a few 1e-7 on its gate gradient (top-2 of 4 experts on near ties;
     # 1.1e-4 was reported once): in float64 the same case is exact to 5e-16, so it is rounding, not a bug
     mixtral = dict(sp=2, mode="ring", family="mixtral", model=dict(sliding_window=4), batch=dict(left_pad=False))
-    cases += [dict(mixtral, name="ring-mixtral-window-right-padding"),
-              dict(mixtral, name="ring-mixtral-window-right-padding-float64", float64=True, tol=1e-12)]
+    cases += [
+        dict(mixtral, name="ring-mixtral-window-right-padding"),
+        dict(mixtral, name="ring-mixtral-window-right-padding-float64", float64=True, tol=1e-12),
+    ]
     return cases
 
 
@@ -199,13 +250,22 @@ def _tiled_cases(base: dict, tag: str) -> list[dict]:
     """The tiled loss (forced on, 5 tokens per chunk): bias after the head (Marian, BART), soft-capping
     (Gemma 2), tied head (Llama), recompute under gradient checkpointing with two forwards."""
     tiled = dict(base, patch=dict(tiled_loss=True), chunk_elements=97 * 5)
-    cases = [dict(tiled, name=f"{tag}-tiled-marian", family="marian"),
-             dict(tiled, name=f"{tag}-tiled-llama-checkpointing-two-forwards", family="llama", checkpointing=True,
-                  second_batch=dict(length=7))]
+    cases = [
+        dict(tiled, name=f"{tag}-tiled-marian", family="marian"),
+        dict(
+            tiled,
+            name=f"{tag}-tiled-llama-checkpointing-two-forwards",
+            family="llama",
+            checkpointing=True,
+            second_batch=dict(length=7),
+        ),
+    ]
     if tag == "ulysses":  # what follows the head does not depend on the mode
-        cases += [dict(tiled, name=f"{tag}-tiled-bart", family="bart"),
-                  dict(tiled, name=f"{tag}-tiled-llama", family="llama"),
-                  dict(tiled, name=f"{tag}-tiled-gemma2-softcap", **_family_case("gemma2"))]
+        cases += [
+            dict(tiled, name=f"{tag}-tiled-bart", family="bart"),
+            dict(tiled, name=f"{tag}-tiled-llama", family="llama"),
+            dict(tiled, name=f"{tag}-tiled-gemma2-softcap", **_family_case("gemma2")),
+        ]
     return cases
 
 
@@ -221,20 +281,36 @@ def _cases_world4():
             dict(sp4, name=f"{tag}-sp4-marian-eval", family="marian", eval=True),
         ]
         if mode == "hybrid":  # uneven heads on the Ulysses part (3 and 5 heads over 2 ranks)
-            cases += [dict(sp4, name=f"{tag}-sp4-marian-3-heads", family="marian", model=dict(heads=3)),
-                      dict(sp4, name=f"{tag}-sp4-llama-5-heads-mqa", family="llama", model=dict(heads=5, kv_heads=1)),
-                      dict(sp4, name=f"{tag}-sp4-gemma3-window", **_family_case("gemma3")),
-                      dict(sp4, name=f"{tag}-sp4-mixtral", **_family_case("mixtral")),
-                      dict(sp4, name=f"{tag}-sp4-m2m100", **_family_case("m2m100")),
-                      dict(sp4, name=f"{tag}-sp4-llama-rope-dynamic", **_rope_case("dynamic")),
-                      dict(sp4, name=f"{tag}-sp4-llama-rope-longrope", **_rope_case("longrope")),
-                      dict(sp4, name=f"{tag}-sp4-llama-checkpointing-two-forwards", family="llama",
-                           checkpointing=True, second_batch=dict(length=7))]
+            cases += [
+                dict(sp4, name=f"{tag}-sp4-marian-3-heads", family="marian", model=dict(heads=3)),
+                dict(sp4, name=f"{tag}-sp4-llama-5-heads-mqa", family="llama", model=dict(heads=5, kv_heads=1)),
+                dict(sp4, name=f"{tag}-sp4-gemma3-window", **_family_case("gemma3")),
+                dict(sp4, name=f"{tag}-sp4-mixtral", **_family_case("mixtral")),
+                dict(sp4, name=f"{tag}-sp4-m2m100", **_family_case("m2m100")),
+                dict(sp4, name=f"{tag}-sp4-llama-rope-dynamic", **_rope_case("dynamic")),
+                dict(sp4, name=f"{tag}-sp4-llama-rope-longrope", **_rope_case("longrope")),
+                dict(
+                    sp4,
+                    name=f"{tag}-sp4-llama-checkpointing-two-forwards",
+                    family="llama",
+                    checkpointing=True,
+                    second_batch=dict(length=7),
+                ),
+            ]
         if mode != "hybrid":
-            cases += [dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
-                      dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-tiled-marian", family="marian",
-                           patch=dict(tiled_loss=True), chunk_elements=97 * 3),
-                      dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama")]
+            cases += [
+                dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-marian", family="marian"),
+                dict(
+                    sp=2,
+                    mode=mode,
+                    ring_size=ring,
+                    name=f"{tag}-sp2xdp2-tiled-marian",
+                    family="marian",
+                    patch=dict(tiled_loss=True),
+                    chunk_elements=97 * 3,
+                ),
+                dict(sp=2, mode=mode, ring_size=ring, name=f"{tag}-sp2xdp2-llama", family="llama"),
+            ]
     return cases
 
 
@@ -242,32 +318,83 @@ def _chunked_cases(world: int) -> list[dict]:
     """The fused exchange in head chunks (one chunk is every Ulysses case above), and mode="auto"
     (`expect`: the mode and ring size it must choose)."""
     if world == 2:
-        return [dict(sp=2, name="ulysses-llama-mqa-chunks-2-checkpointing-two-forwards", family="llama",
-                     model=dict(heads=4, kv_heads=1), head_chunks=2, checkpointing=True, second_batch=dict(length=7)),
-                dict(sp=2, name="ulysses-marian-5-heads-chunks-2", family="marian", model=dict(heads=5, d_model=40),
-                     head_chunks=2),
-                dict(sp=2, mode="auto", name="auto-llama", family="llama", expect=("ulysses", 1))]
-    return [dict(sp=4, mode="hybrid", ring_size=2, name="hybrid-sp4-llama-chunks-2", family="llama",
-                 model=dict(heads=8, kv_heads=2), head_chunks=2),
-            dict(sp=4, name="ulysses-sp4-llama-10-heads-kv-lt-sp-chunks-2", family="llama",
-                 model=dict(heads=10, kv_heads=2), head_chunks=2),
-            dict(sp=4, mode="auto", name="auto-sp4-llama-6-heads", family="llama", model=dict(heads=6, kv_heads=2),
-                 expect=("hybrid", 2)),
-            dict(sp=4, mode="auto", name="auto-sp4-llama-5-heads", family="llama", model=dict(heads=5, kv_heads=1),
-                 expect=("ring", 4))]
+        return [
+            dict(
+                sp=2,
+                name="ulysses-llama-mqa-chunks-2-checkpointing-two-forwards",
+                family="llama",
+                model=dict(heads=4, kv_heads=1),
+                head_chunks=2,
+                checkpointing=True,
+                second_batch=dict(length=7),
+            ),
+            dict(
+                sp=2,
+                name="ulysses-marian-5-heads-chunks-2",
+                family="marian",
+                model=dict(heads=5, d_model=40),
+                head_chunks=2,
+            ),
+            dict(sp=2, mode="auto", name="auto-llama", family="llama", expect=("ulysses", 1)),
+        ]
+    return [
+        dict(
+            sp=4,
+            mode="hybrid",
+            ring_size=2,
+            name="hybrid-sp4-llama-chunks-2",
+            family="llama",
+            model=dict(heads=8, kv_heads=2),
+            head_chunks=2,
+        ),
+        dict(
+            sp=4,
+            name="ulysses-sp4-llama-10-heads-kv-lt-sp-chunks-2",
+            family="llama",
+            model=dict(heads=10, kv_heads=2),
+            head_chunks=2,
+        ),
+        dict(
+            sp=4,
+            mode="auto",
+            name="auto-sp4-llama-6-heads",
+            family="llama",
+            model=dict(heads=6, kv_heads=2),
+            expect=("hybrid", 2),
+        ),
+        dict(
+            sp=4,
+            mode="auto",
+            name="auto-sp4-llama-5-heads",
+            family="llama",
+            model=dict(heads=5, kv_heads=1),
+            expect=("ring", 4),
+        ),
+    ]
 
 
 def _latent_cases(world: int) -> list[dict]:
     """Multi-head latent attention with v's head width apart from q/k's (DeepSeek-V2/V3 checkpoints: 128 vs
     192; here 8 vs 12, and 16 vs 12): the fused exchange (in head chunks), the ring and the hybrid carry each."""
     if world == 2:
-        return [dict(sp=2, name="ulysses-deepseek_v3-v-narrower-chunks-2", family="deepseek_v3", head_chunks=2),
-                dict(sp=2, mode="ring", name="ring-deepseek_v2-v-wider", family="deepseek_v2",
-                     model=dict(v_head_dim=16))]
-    return [dict(sp=4, mode="hybrid", ring_size=2, name="hybrid-sp4-deepseek_v3-6-heads-chunks-2",
-                 family="deepseek_v3", model=dict(heads=6), head_chunks=2)]
+        return [
+            dict(sp=2, name="ulysses-deepseek_v3-v-narrower-chunks-2", family="deepseek_v3", head_chunks=2),
+            dict(sp=2, mode="ring", name="ring-deepseek_v2-v-wider", family="deepseek_v2", model=dict(v_head_dim=16)),
+        ]
+    return [
+        dict(
+            sp=4,
+            mode="hybrid",
+            ring_size=2,
+            name="hybrid-sp4-deepseek_v3-6-heads-chunks-2",
+            family="deepseek_v3",
+            model=dict(heads=6),
+            head_chunks=2,
+        )
+    ]
 
 
-CASES = {2: _cases_world2() + _chunked_cases(2) + _latent_cases(2),
-         4: _cases_world4() + _chunked_cases(4) + _latent_cases(4)}
-
+CASES = {
+    2: _cases_world2() + _chunked_cases(2) + _latent_cases(2),
+    4: _cases_world4() + _chunked_cases(4) + _latent_cases(4),
+}

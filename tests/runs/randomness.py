@@ -11,6 +11,7 @@ from seqpar_hf.models.forward.rng import per_rank_stream
 
 from ..helpers.models import build_model, make_batch
 
+
 def _gather(x):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, x)
@@ -58,4 +59,3 @@ def _layerdrop(steps):
         losses.append(loss.item())
         counts.append(len(calls))
     return _gather((counts, losses)), model.model.encoder.layerdrop
-

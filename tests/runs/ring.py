@@ -11,6 +11,7 @@ from seqpar_hf.attention.ring import RingPlan, ring_attention
 from seqpar_hf.parallel.comm import all_gather_cat
 from seqpar_hf.parallel.sharding import ShardPlan
 
+
 def _ring_on_shards(q, k, v, key_mask, causal, layout):
     """Run ring attention over the ring group with this rank's zigzag shards of full q, k, v;
     return (gathered output, gathered dq, dk, dv) in full sequence order."""
@@ -19,14 +20,22 @@ def _ring_on_shards(q, k, v, key_mask, causal, layout):
     idx = plan.global_index()
     shard = [x.index_select(2, idx).detach().requires_grad_() for x in (q, k, v)]
     meta = SeqMeta(plan, key_mask, None)
-    ring = RingPlan.build(MaskSpec(meta, meta, causal), layout.ring_group, layout.ring_ranks, layout.ring_rank,
-                          plan.ring_index(layout.ring_rank), [plan.ring_index(j) for j in range(n)])
+    ring = RingPlan.build(
+        MaskSpec(meta, meta, causal),
+        layout.ring_group,
+        layout.ring_ranks,
+        layout.ring_rank,
+        plan.ring_index(layout.ring_rank),
+        [plan.ring_index(j) for j in range(n)],
+    )
     out = ring_attention(*shard, ring, q.shape[-1] ** -0.5)
     g = torch.Generator().manual_seed(7)
     grad_out = torch.randn(q.shape, generator=g).to(q.dtype).index_select(2, idx)
     out.backward(grad_out)
-    gathered = [plan.unshard(all_gather_cat(t.detach(), layout.sp_group, dim=2), dim=2)
-                for t in (out, shard[0].grad, shard[1].grad, shard[2].grad)]
+    gathered = [
+        plan.unshard(all_gather_cat(t.detach(), layout.sp_group, dim=2), dim=2)
+        for t in (out, shard[0].grad, shard[1].grad, shard[2].grad)
+    ]
     return gathered
 
 
@@ -69,12 +78,13 @@ def _masked_rows():
     for causal in (False, True):
         ring = _ring_on_shards(q, k, v, key_mask, causal, layout)
         exact = _reference(q, k, v, key_mask, causal, torch.float32)
-        results[causal] = {"finite": all(bool(torch.isfinite(t).all()) for t in ring),
-                           "sample0_zero": bool((ring[0][0] == 0).all()),
-                           "errors": [_err(r[1], e[1]) for r, e in zip(ring, exact)]}
+        results[causal] = {
+            "finite": all(bool(torch.isfinite(t).all()) for t in ring),
+            "sample0_zero": bool((ring[0][0] == 0).all()),
+            "errors": [_err(r[1], e[1]) for r, e in zip(ring, exact)],
+        }
     return results
 
 
 def all_checks():
     return {"bf16": _bf16_errors(), "masked": _masked_rows()}
-

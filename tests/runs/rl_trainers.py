@@ -53,8 +53,9 @@ class Recorder(TrainerCallback):
         self.logs = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        kept = {k: v for k, v in (logs or {}).items()
-                if isinstance(v, (int, float)) and not any(s in k for s in SKIPPED)}
+        kept = {
+            k: v for k, v in (logs or {}).items() if isinstance(v, (int, float)) and not any(s in k for s in SKIPPED)
+        }
         self.logs.append({"step": state.global_step, **kept})
 
 
@@ -91,14 +92,18 @@ def counted_generate(trainer, counts: list):
 
 def replica_offset(trainer) -> int:
     args, layout = trainer.args, trainer.layout
-    rows = args.per_device_train_batch_size * args.steps_per_generation if trainer.model.training \
+    rows = (
+        args.per_device_train_batch_size * args.steps_per_generation
+        if trainer.model.training
         else args.per_device_eval_batch_size
+    )
     return layout.dp_rank * rows + layout.sp_rank * (rows // layout.sp_size)
 
 
 def _saved(model) -> str:
     """A checkpoint of the model (the same on every rank), written by rank 0 (transformers saves only there)."""
     import torch.distributed as dist
+
     path = [tempfile.mkdtemp()]
     if dist.is_initialized():
         dist.broadcast_object_list(path, src=0)
@@ -111,37 +116,72 @@ def _saved(model) -> str:
 def _identity_shuffle():
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
+
     grpo.shuffle_sequence_dict = rloo.shuffle_sequence_dict = lambda batch: batch
 
 
 def _config(trainer, sp, dp, batch, accumulation, steps, checkpointing, evaluate, extra, mode):
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch * (dp if sp == 0 else 1),
-                  per_device_eval_batch_size=batch * (dp if sp == 0 else 1), gradient_accumulation_steps=accumulation,
-                  max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                  use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant", bf16=False,
-                  gradient_checkpointing=checkpointing, num_generations=2, max_completion_length=MAX_COMPLETION,
-                  epsilon=0.05, eval_strategy="steps" if evaluate else "no", eval_steps=steps)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch * (dp if sp == 0 else 1),
+        per_device_eval_batch_size=batch * (dp if sp == 0 else 1),
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        lr_scheduler_type="constant",
+        bf16=False,
+        gradient_checkpointing=checkpointing,
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION,
+        epsilon=0.05,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=steps,
+    )
     if checkpointing:
         common["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     common.update(extra or {})
     import trl
+
     from seqpar_hf.training import trl as sp_trl
+
     if sp == 0:
         return (trl.GRPOConfig if trainer == "grpo" else trl.RLOOConfig)(**common)
     config = sp_trl.SequenceParallelGRPOConfig if trainer == "grpo" else sp_trl.SequenceParallelRLOOConfig
     return config(sp_size=sp, sp_mode=mode, **common)
 
 
-def run_rl(trainer: str = "grpo", sp: int = 0, dp: int = 1, batch: int = 4, accumulation: int = 1, steps: int = 3,
-           mode: str = "ulysses", peft: bool = False, checkpointing: bool = False, ref: str = "copy",
-           evaluate: bool = False, extra: dict | None = None, generate: str = "fixed", prompt_seed: int = 1) -> dict:
+def run_rl(
+    trainer: str = "grpo",
+    sp: int = 0,
+    dp: int = 1,
+    batch: int = 4,
+    accumulation: int = 1,
+    steps: int = 3,
+    mode: str = "ulysses",
+    peft: bool = False,
+    checkpointing: bool = False,
+    ref: str = "copy",
+    evaluate: bool = False,
+    extra: dict | None = None,
+    generate: str = "fixed",
+    prompt_seed: int = 1,
+) -> dict:
     """sp=0: plain TRL in one process with the global batch of `dp` replicas of `batch` rows (the
     reference). ref: "copy" (a deep copy of the patched policy), "separate" (an unpatched model),
     "path" (TRL loads it from the policy's saved checkpoint); the reference always loads it from there.
     generate: "fixed" (completions fixed by construction, the shuffle the identity) or "model" (the policy's
     own `generate`, TRL's shuffle). prompt_seed: the training prompts' seed."""
     import trl
+
     from seqpar_hf.training import trl as sp_trl
+
     # an FSDP run earlier in this process (the `trainer` group) leaves ACCELERATE_USE_FSDP=true behind
     os.environ.pop("ACCELERATE_USE_FSDP", None)
     if generate == "fixed":
@@ -151,17 +191,25 @@ def run_rl(trainer: str = "grpo", sp: int = 0, dp: int = 1, batch: int = 4, accu
     peft_config = None
     if peft:
         from peft import LoraConfig
+
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     recorder = Recorder()
-    data = dict(reward_funcs=[even_tokens, near_target], train_dataset=prompts(16, prompt_seed),
-                eval_dataset=prompts(4, 2), processing_class=tokenizer(), callbacks=[recorder], peft_config=peft_config)
+    data = dict(
+        reward_funcs=[even_tokens, near_target],
+        train_dataset=prompts(16, prompt_seed),
+        eval_dataset=prompts(4, 2),
+        processing_class=tokenizer(),
+        callbacks=[recorder],
+        peft_config=peft_config,
+    )
     args = _config(trainer, sp, dp, batch, accumulation, steps, checkpointing, evaluate, extra, mode)
     if sp == 0:
         plain = trl.GRPOTrainer if trainer == "grpo" else trl.RLOOTrainer
         t = plain(model=model, args=args, **data)
-        offset = lambda _: 0  # noqa: E731
+        offset = lambda _: 0
     else:
         import seqpar_hf
+
         layout = seqpar_hf.ParallelLayout(sp_size=sp, mode=mode)
         separate = build_model("llama", layers=2)
         seqpar_hf.patch_model(model, layout)
@@ -173,9 +221,14 @@ def run_rl(trainer: str = "grpo", sp: int = 0, dp: int = 1, batch: int = 4, accu
     fixed_generate(t, offset, counts) if generate == "fixed" else counted_generate(t, counts)
     t.train()
     batches = [{k: v.tolist() for k, v in b.items() if hasattr(v, "tolist")} for b in t._buffered_inputs]
-    return {"logs": recorder.logs, "advantages": list(t._logs["advantages"]),
-            "completions": list(t._logs["completion"]), "generated_rows": counts, "last_batches": batches,
-            "generation_batch_size": t.args.generation_batch_size}
+    return {
+        "logs": recorder.logs,
+        "advantages": list(t._logs["advantages"]),
+        "completions": list(t._logs["completion"]),
+        "generated_rows": counts,
+        "last_batches": batches,
+        "generation_batch_size": t.args.generation_batch_size,
+    }
 
 
 def run_many(configs: list[dict]) -> list[dict]:
@@ -188,9 +241,12 @@ def divergences() -> dict:
     import torch.distributed as dist
 
     from .robustness import attempt
+
     rank = dist.get_rank()
-    return {"num-generations-differ": attempt(lambda: run_rl(sp=2, steps=1, extra=dict(num_generations=2 + 2 * rank))),
-            "datasets-differ": attempt(lambda: run_rl(sp=2, steps=1, prompt_seed=1 + rank))}
+    return {
+        "num-generations-differ": attempt(lambda: run_rl(sp=2, steps=1, extra=dict(num_generations=2 + 2 * rank))),
+        "datasets-differ": attempt(lambda: run_rl(sp=2, steps=1, prompt_seed=1 + rank)),
+    }
 
 
 # name -> (sequence-parallel run at sp=2 (and dp=2 in the 4-rank cases), the one-process reference).
@@ -200,17 +256,33 @@ CASES = {
     "grpo-separate-reference": (dict(**GRPO, ref="separate"), dict(**GRPO)),
     "grpo-reference-loaded-by-trl": (dict(**GRPO, ref="path"), dict(**GRPO)),
     "grpo-ring": (dict(**GRPO, mode="ring"), dict(**GRPO)),
-    "grpo-peft-checkpointing": (dict(**GRPO, peft=True, checkpointing=True),
-                                dict(**GRPO, peft=True, checkpointing=True)),
+    "grpo-peft-checkpointing": (
+        dict(**GRPO, peft=True, checkpointing=True),
+        dict(**GRPO, peft=True, checkpointing=True),
+    ),
     "grpo-accumulation": (dict(**GRPO, batch=2, accumulation=2), dict(**GRPO, batch=2, accumulation=2)),
-    **{f"grpo-{loss}-two-iterations": (dict(extra=dict(beta=0.04, loss_type=loss, num_iterations=2, **kw)),
-                                       dict(extra=dict(beta=0.04, loss_type=loss, num_iterations=2, **kw)))
-       for loss, kw in (("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("dapo", {}), ("cispo", {"epsilon_high": 1.02}),
-                        ("sapo", {}), ("luspo", {"importance_sampling_level": "sequence"}), ("vespo", {}))},
+    **{
+        f"grpo-{loss}-two-iterations": (
+            dict(extra=dict(beta=0.04, loss_type=loss, num_iterations=2, **kw)),
+            dict(extra=dict(beta=0.04, loss_type=loss, num_iterations=2, **kw)),
+        )
+        for loss, kw in (
+            ("grpo", {}),
+            ("bnpo", {}),
+            ("dr_grpo", {}),
+            ("dapo", {}),
+            ("cispo", {"epsilon_high": 1.02}),
+            ("sapo", {}),
+            ("luspo", {"importance_sampling_level": "sequence"}),
+            ("vespo", {}),
+        )
+    },
     "rloo": (dict(trainer="rloo", evaluate=True), dict(trainer="rloo", evaluate=True)),
     "rloo-separate-reference-ring": (dict(trainer="rloo", ref="separate", mode="ring"), dict(trainer="rloo")),
-    "rloo-peft-accumulation": (dict(trainer="rloo", peft=True, batch=2, accumulation=2),
-                               dict(trainer="rloo", peft=True, batch=2, accumulation=2)),
+    "rloo-peft-accumulation": (
+        dict(trainer="rloo", peft=True, batch=2, accumulation=2),
+        dict(trainer="rloo", peft=True, batch=2, accumulation=2),
+    ),
 }
 # The policy's own generate: greedy (deterministic, so comparable with one process), and sampled with
 # TRL's shuffle and gradient accumulation (every rank of a group must then hold the same micro-batches).

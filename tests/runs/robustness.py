@@ -34,14 +34,15 @@ def per_rank(values):
 
 def layout_cases(results: dict) -> None:
     results["world-not-divisible"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=4))
-    results["ring-size-not-dividing"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="hybrid",
-                                                                                  ring_size=3))
+    results["ring-size-not-dividing"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="hybrid", ring_size=3))
     results["unknown-mode"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="stripes"))
     results["layout-modes-differ"] = attempt(
-        lambda: seqpar_hf.ParallelLayout(sp_size=2, mode=per_rank(("ulysses", "ring"))))
+        lambda: seqpar_hf.ParallelLayout(sp_size=2, mode=per_rank(("ulysses", "ring")))
+    )
     results["layout-sp-sizes-differ"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=per_rank((2, 1))))
     results["layout-tp-vs-sp"] = attempt(
-        lambda: seqpar_hf.ParallelLayout(**per_rank(({"sp_size": 2}, {"sp_size": 1, "tp_size": 2}))))
+        lambda: seqpar_hf.ParallelLayout(**per_rank(({"sp_size": 2}, {"sp_size": 1, "tp_size": 2})))
+    )
     results["layout-one-rank-invalid"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=per_rank((4, 2))))
 
     def built_in_another_order():  # rank 0 builds (sp 1, sp 2), rank 1 (sp 2, sp 1): both fail, twice
@@ -53,6 +54,7 @@ def layout_cases(results: dict) -> None:
                 errors.append(str(exc))
         if len(errors) == 2:
             raise ValueError(" | ".join(errors))
+
     results["layouts-in-another-order"] = attempt(built_in_another_order)
     results["layout-bad-timeout"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, timeout=5))
 
@@ -65,8 +67,8 @@ def fingerprint_cases(results: dict, layout) -> None:
         return lambda: (call or (lambda m, b: m(**b)))(model, batch_fn())
 
     rank = dist.get_rank()
-    marian = lambda **kw: make_batch("marian", seed=0, **kw)  # noqa: E731
-    llama = lambda **kw: make_batch("llama", seed=0, **kw)  # noqa: E731
+    marian = lambda **kw: make_batch("marian", seed=0, **kw)
+    llama = lambda **kw: make_batch("llama", seed=0, **kw)
 
     def without_mask_on_rank_1():
         batch = marian()
@@ -92,25 +94,31 @@ def fingerprint_cases(results: dict, layout) -> None:
     results["shift-labels-on-one-rank"] = attempt(run("llama", shift_labels_on_rank_1))
     results["num-items-differ"] = attempt(run("llama", lambda: {**llama(), "num_items_in_batch": 6 + rank}))
     results["num-items-tensor-differ"] = attempt(
-        run("llama", lambda: {**llama(), "num_items_in_batch": torch.tensor(6 + rank)}))
+        run("llama", lambda: {**llama(), "num_items_in_batch": torch.tensor(6 + rank)})
+    )
     results["label-smoothing-differs"] = attempt(run("llama", lambda: {**llama(), "label_smoothing": 0.1 * rank}))
     results["training-mode-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(rank == 0)))
     results["logits-to-keep-on-one-rank"] = attempt(run("llama", lambda: {**llama(), "logits_to_keep": rank}))
     results["output-hidden-states-on-one-rank"] = attempt(
-        run("llama", lambda: {**llama(), "output_hidden_states": rank == 1}))
+        run("llama", lambda: {**llama(), "output_hidden_states": rank == 1})
+    )
     results["tiled-loss-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_loss=rank == 0))
     results["lm-loss-differs"] = attempt(run("llama", llama, lm_loss=rank == 0))
     results["attention-set-on-one-rank"] = attempt(
-        run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa") if rank == 1 else None))
+        run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa") if rank == 1 else None)
+    )
     results["attention-set-after-patch"] = attempt(
-        run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa")))
+        run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa"))
+    )
     results["attention-config-after-patch"] = attempt(
-        run("marian", marian, model_fn=lambda m: setattr(m.config, "_attn_implementation", "eager")))
+        run("marian", marian, model_fn=lambda m: setattr(m.config, "_attn_implementation", "eager"))
+    )
 
     def other_layout_object():  # same sizes, another layout object (its group is the same: the world)
         second = seqpar_hf.ParallelLayout(sp_size=2)
         model = seqpar_hf.patch_model(build_model("llama"), layout if rank == 0 else second)
         return lambda: model(**llama())
+
     results["patched-with-another-layout"] = attempt(other_layout_object())
     tp = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)  # a replica of 2 TP ranks (no SP group): checked too
     tp_model = seqpar_hf.patch_model(build_model("llama"), tp)
@@ -138,8 +146,10 @@ def validation_batches() -> dict:
         "causal-labels-batch": ("llama", {"input_ids": ids, "labels": labels[:2]}),
         "shift-labels-shorter": ("llama", {"input_ids": ids, "shift_labels": labels[:, :-1]}),
         "position-ids-shorter": ("llama", {"input_ids": ids, "labels": labels, "position_ids": torch.arange(10)[None]}),
-        "position-ids-batch": ("llama", {"input_ids": ids, "labels": labels,
-                                         "position_ids": torch.arange(11)[None].repeat(2, 1)}),
+        "position-ids-batch": (
+            "llama",
+            {"input_ids": ids, "labels": labels, "position_ids": torch.arange(11)[None].repeat(2, 1)},
+        ),
         "attention-mask-shorter": ("llama", {**llama, "attention_mask": llama["attention_mask"][:, :-1]}),
         "empty-sequence": ("llama", {"input_ids": ids[:, :0], "labels": labels[:, :0]}),
         "empty-batch": ("llama", {"input_ids": ids[:0], "labels": labels[:0]}),
@@ -150,19 +160,30 @@ def validation_batches() -> dict:
         "id-minus-one": ("llama", {"input_ids": at(ids, 9, -1), "labels": labels}),
         "label-past-vocab-second-half": ("llama", {"input_ids": ids, "labels": at(labels, 9, VOCAB)}),
         "label-minus-five": ("llama", {"input_ids": ids, "labels": at(labels, 9, -5)}),
-        "seq2seq-decoder-longer-than-labels": ("marian", {**marian, "decoder_input_ids": torch.cat(
-            [marian["labels"], marian["labels"][:, :2]], 1).clamp(min=0)}),
+        "seq2seq-decoder-longer-than-labels": (
+            "marian",
+            {**marian, "decoder_input_ids": torch.cat([marian["labels"], marian["labels"][:, :2]], 1).clamp(min=0)},
+        ),
         "seq2seq-labels-batch": ("marian", {**marian, "labels": marian["labels"][:2]}),
         "seq2seq-empty-source": ("marian", {"input_ids": marian["input_ids"][:, :0], "labels": marian["labels"]}),
         "seq2seq-empty-labels": ("marian", {**marian, "labels": marian["labels"][:, :0]}),
-        "seq2seq-decoder-mask-shorter": ("marian", {**marian, "decoder_attention_mask": torch.ones(3, 5, dtype=torch.long)}),
-        "seq2seq-decoder-id-past-vocab": ("marian", {**marian, "decoder_input_ids": at(
-            marian["labels"].clamp(min=0), 7, VOCAB)}),
+        "seq2seq-decoder-mask-shorter": (
+            "marian",
+            {**marian, "decoder_attention_mask": torch.ones(3, 5, dtype=torch.long)},
+        ),
+        "seq2seq-decoder-id-past-vocab": (
+            "marian",
+            {**marian, "decoder_input_ids": at(marian["labels"].clamp(min=0), 7, VOCAB)},
+        ),
         "seq2seq-label-past-vocab": ("marian", {**marian, "labels": at(marian["labels"], 6, VOCAB)}),
-        "source-past-position-table": ("marian", {"input_ids": torch.randint(3, VOCAB, (1, 200)),
-                                                  "labels": marian["labels"][:1]}),
-        "bart-target-past-position-table": ("bart", {"input_ids": marian["input_ids"],
-                                                     "labels": torch.randint(3, VOCAB, (3, 129))}),
+        "source-past-position-table": (
+            "marian",
+            {"input_ids": torch.randint(3, VOCAB, (1, 200)), "labels": marian["labels"][:1]},
+        ),
+        "bart-target-past-position-table": (
+            "bart",
+            {"input_ids": marian["input_ids"], "labels": torch.randint(3, VOCAB, (3, 129))},
+        ),
         "gpt2-past-n-positions": ("gpt2", {"input_ids": ids.repeat(1, 7), "labels": labels.repeat(1, 7)}),
     }
 
@@ -172,13 +193,25 @@ def build(family: str):
     if family != "gpt2":
         return build_model(family)
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                      bos_token_id=1, eos_token_id=2, attn_implementation="sdpa"))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def validation_cases(results: dict, layout) -> None:
     """Every rank holds the same full batch: the same error on every rank, before any other collective."""
+
     def run(family, batch, **patch):
         model = seqpar_hf.patch_model(build(family), layout, **patch)
         return lambda: model(**batch)
@@ -195,6 +228,7 @@ def timeout_case(results: dict) -> None:
     On its own group (a gloo group that timed out is closed), with a 2-second timeout."""
     from seqpar_hf.models.forward.checks import check_same_batch, forward_settings
     from seqpar_hf.models.forward.state import state_of
+
     group = dist.new_group([0, 1])
     dist.barrier(group=group)
     group.set_timeout(timedelta(seconds=2))
@@ -209,6 +243,7 @@ def timeout_case(results: dict) -> None:
         else:
             time.sleep(4)  # past the other's timeout: it reports, this one has nothing to report
             raise RuntimeError("skipped the forward")
+
     results["rank-skips-a-forward"] = attempt(forward_on_rank_0_only)
 
 
@@ -238,6 +273,7 @@ def tokenizer_case(results: dict) -> None:
 
 def bad_inputs():
     from . import checkpoints, divergence
+
     results = {}
     layout_cases(results)
     layout = seqpar_hf.ParallelLayout(sp_size=2)
@@ -249,14 +285,17 @@ def bad_inputs():
         model = seqpar_hf.patch_model(build_model("llama"), layout)
         hidden = torch.randn(2, 6, model.config.hidden_size)
         model.model.layers[0](hidden, position_embeddings=model.model.rotary_emb(hidden, torch.arange(6)[None]))
+
     results["submodule-called-directly"] = attempt(submodule_called_directly)
 
     def custom_attention():
         from transformers import AttentionInterface
+
         AttentionInterface.register("my_kernel", AttentionInterface["sdpa"])
         model = build_model("marian")
         model.set_attn_implementation("my_kernel")
         seqpar_hf.patch_model(model, layout)
+
     results["unsupported-attention"] = attempt(custom_attention)
     checkpoints.cases(results)
     divergence.cases(results)
@@ -268,6 +307,7 @@ def bad_inputs():
         dist.barrier()
         dist.destroy_process_group()  # last case: nothing after it needs the group
         model(**batch)
+
     results["no-process-group"] = attempt(no_process_group)
     return results
 
@@ -275,6 +315,7 @@ def bad_inputs():
 def odd_inputs():
     """Valid corner cases: loss as the unpatched model gives it (value, or NaN exactly where it gives NaN)."""
     import copy
+
     layout = seqpar_hf.ParallelLayout(sp_size=2)
     out = {}
 

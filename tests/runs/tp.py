@@ -32,9 +32,13 @@ def full(t):
 
 
 def run_case(case: dict) -> dict:
-    layout = seqpar_hf.ParallelLayout(sp_size=case["sp"], mode=case.get("mode", "ulysses"),
-                                      ring_size=case.get("ring_size"), tp_size=case["tp"],
-                                      head_chunks=case.get("head_chunks", "auto"))
+    layout = seqpar_hf.ParallelLayout(
+        sp_size=case["sp"],
+        mode=case.get("mode", "ulysses"),
+        ring_size=case.get("ring_size"),
+        tp_size=case["tp"],
+        head_chunks=case.get("head_chunks", "auto"),
+    )
     family = case["family"]
     model = build_model(family, **case.get("model", {}))
     reference = copy.deepcopy(model)
@@ -48,7 +52,9 @@ def run_case(case: dict) -> dict:
         model.eval(), reference.eval()
         inputs = {k: v for k, v in batches[layout.dp_rank].items() if k != "labels"}
         if family in ("marian", "bart", "mbart", "pegasus", "m2m100"):
-            inputs["decoder_input_ids"] = reference.prepare_decoder_input_ids_from_labels(batches[layout.dp_rank]["labels"])
+            inputs["decoder_input_ids"] = reference.prepare_decoder_input_ids_from_labels(
+                batches[layout.dp_rank]["labels"]
+            )
         with torch.no_grad():
             result["logits_err"] = relative_error(model(**inputs).logits, reference(**inputs).logits)
         return result
@@ -83,26 +89,39 @@ def run_cases(cases: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # the cases, per world size, and the refusals
 
+
 def _cases_world2():
-    return [dict(name="tp2-llama-gqa", family="llama", sp=1, tp=2),
-            dict(name="tp2-marian", family="marian", sp=1, tp=2),
-            dict(name="tp2-bart", family="bart", sp=1, tp=2),
-            dict(name="tp2-qwen3", family="qwen3", sp=1, tp=2),
-            dict(name="tp2-llama-eval", family="llama", sp=1, tp=2, eval=True),
-            dict(name="tp2-llama-checkpointing", family="llama", sp=1, tp=2, checkpointing=True),
-            dict(name="tp2-marian-checkpointing", family="marian", sp=1, tp=2, checkpointing=True),
-            dict(name="tp2-marian-eval", family="marian", sp=1, tp=2, eval=True)]
+    return [
+        dict(name="tp2-llama-gqa", family="llama", sp=1, tp=2),
+        dict(name="tp2-marian", family="marian", sp=1, tp=2),
+        dict(name="tp2-bart", family="bart", sp=1, tp=2),
+        dict(name="tp2-qwen3", family="qwen3", sp=1, tp=2),
+        dict(name="tp2-llama-eval", family="llama", sp=1, tp=2, eval=True),
+        dict(name="tp2-llama-checkpointing", family="llama", sp=1, tp=2, checkpointing=True),
+        dict(name="tp2-marian-checkpointing", family="marian", sp=1, tp=2, checkpointing=True),
+        dict(name="tp2-marian-eval", family="marian", sp=1, tp=2, eval=True),
+    ]
 
 
 def _cases_world4():
     # four ranks share two cores here: each family once per mode
-    cases = [dict(name="tp2xdp2-llama", family="llama", sp=1, tp=2),
-             dict(name="tp2xdp2-marian", family="marian", sp=1, tp=2),
-             dict(name="tp4-llama", family="llama", sp=1, tp=4, model=dict(kv_heads=4))]
+    cases = [
+        dict(name="tp2xdp2-llama", family="llama", sp=1, tp=2),
+        dict(name="tp2xdp2-marian", family="marian", sp=1, tp=2),
+        dict(name="tp4-llama", family="llama", sp=1, tp=4, model=dict(kv_heads=4)),
+    ]
     cases += [dict(name=f"tp2xsp2-ulysses-{f}", family=f, sp=2, tp=2) for f in ("llama", "marian", "m2m100")]
     cases += [dict(name=f"tp2xsp2-ring-{f}", family=f, sp=2, tp=2, mode="ring") for f in ("gemma", "bart")]
-    cases.append(dict(name="tp2xsp2-ulysses-llama-head-chunks-2", family="llama", sp=2, tp=2, head_chunks=2,
-                      model=dict(heads=8, kv_heads=4)))
+    cases.append(
+        dict(
+            name="tp2xsp2-ulysses-llama-head-chunks-2",
+            family="llama",
+            sp=2,
+            tp=2,
+            head_chunks=2,
+            model=dict(heads=8, kv_heads=4),
+        )
+    )
     cases.append(dict(name="tp2xsp2-ulysses-marian-eval", family="marian", sp=2, tp=2, eval=True))
     return cases
 
@@ -110,13 +129,16 @@ def _cases_world4():
 CASES = {2: _cases_world2(), 4: _cases_world4()}
 
 
-
 def refusals() -> dict:
     """Layouts that cannot work, each refused with its message (None: accepted)."""
     layout = seqpar_hf.ParallelLayout(sp_size=1, tp_size=2)
     out = {}
-    for name, family, kwargs in (("kv-heads", "llama", dict(heads=4, kv_heads=1)), ("heads", "marian", dict(heads=3)),
-                                 ("fused-qkv", "phi3", {}), ("experts", "mixtral", {})):
+    for name, family, kwargs in (
+        ("kv-heads", "llama", dict(heads=4, kv_heads=1)),
+        ("heads", "marian", dict(heads=3)),
+        ("fused-qkv", "phi3", {}),
+        ("experts", "mixtral", {}),
+    ):
         try:
             seqpar_hf.patch_model(build_model(family, **kwargs), layout)
             out[name] = None
@@ -136,7 +158,6 @@ def refusals() -> dict:
     except ValueError as exc:
         out["world"] = str(exc)
     return out
-
 
 
 def regather_check() -> dict:

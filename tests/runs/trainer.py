@@ -22,7 +22,7 @@ def synthetic_dataset(n: int, seed: int) -> Dataset:
         src_len = int(torch.randint(3, 17, (1,), generator=g))
         tgt_len = int(torch.randint(2, 13, (1,), generator=g))
         src = torch.randint(3, VOCAB, (src_len,), generator=g).tolist()
-        rows.append({"input_ids": src, "attention_mask": [1] * src_len, "labels": (src * 2)[:tgt_len - 1] + [2]})
+        rows.append({"input_ids": src, "attention_mask": [1] * src_len, "labels": (src * 2)[: tgt_len - 1] + [2]})
     return Dataset.from_list(rows)
 
 
@@ -30,13 +30,16 @@ def collate(features):
     """Pad to the longest in the batch (inputs with 0, labels with -100)."""
     src = max(len(f["input_ids"]) for f in features)
     tgt = max(len(f["labels"]) for f in features)
-    pad = lambda xs, n, v: xs + [v] * (n - len(xs))  # noqa: E731
+    pad = lambda xs, n, v: xs + [v] * (n - len(xs))
     labels = torch.tensor([pad(f["labels"], tgt, -100) for f in features])
     # decoder inputs from the labels, as DataCollatorForSeq2Seq(model=...) builds them (start token 0)
     decoder_input_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1).clamp(min=0)
-    return {"input_ids": torch.tensor([pad(f["input_ids"], src, 0) for f in features]),
-            "attention_mask": torch.tensor([pad(f["attention_mask"], src, 0) for f in features]),
-            "labels": labels, "decoder_input_ids": decoder_input_ids}
+    return {
+        "input_ids": torch.tensor([pad(f["input_ids"], src, 0) for f in features]),
+        "attention_mask": torch.tensor([pad(f["attention_mask"], src, 0) for f in features]),
+        "labels": labels,
+        "decoder_input_ids": decoder_input_ids,
+    }
 
 
 class Recorder(TrainerCallback):
@@ -47,9 +50,20 @@ class Recorder(TrainerCallback):
         self.logs.append({"step": state.global_step, **(logs or {})})
 
 
-def make_trainer(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoothing: float = 0.0, steps: int = 6,
-                 mode: str = "ulysses", extra: dict | None = None, eval_batch: int | None = None,
-                 output_dir: str | None = None, train_size: int = 48, eval_size: int = 13, tp: int = 1):
+def make_trainer(
+    sp: int = 0,
+    batch: int = 8,
+    accumulation: int = 1,
+    label_smoothing: float = 0.0,
+    steps: int = 6,
+    mode: str = "ulysses",
+    extra: dict | None = None,
+    eval_batch: int | None = None,
+    output_dir: str | None = None,
+    train_size: int = 48,
+    eval_size: int = 13,
+    tp: int = 1,
+):
     """A tiny Marian and its trainer: `steps` steps, evaluating every 3, logging every step.
 
     sp=0: the plain transformers Seq2SeqTrainer (the reference, one process). Otherwise
@@ -61,15 +75,31 @@ def make_trainer(sp: int = 0, batch: int = 8, accumulation: int = 1, label_smoot
         os.environ.pop("ACCELERATE_USE_FSDP", None)
     model = build_model("marian", heads=4)
     train, evaluation = synthetic_dataset(train_size, seed=1), synthetic_dataset(eval_size, seed=2)
-    common = dict(output_dir=output_dir or tempfile.mkdtemp(), per_device_train_batch_size=batch,
-                  per_device_eval_batch_size=eval_batch or batch, gradient_accumulation_steps=accumulation,
-                  max_steps=steps, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
-                  eval_strategy="steps", eval_steps=3, save_strategy="no", report_to=[], seed=0,
-                  label_smoothing_factor=label_smoothing, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    common = dict(
+        output_dir=output_dir or tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=eval_batch or batch,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        label_smoothing_factor=label_smoothing,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     common.update(extra or {})
     recorder = Recorder()
-    kwargs = dict(model=model, train_dataset=train, eval_dataset=evaluation, data_collator=collate,
-                  callbacks=[recorder])
+    kwargs = dict(
+        model=model, train_dataset=train, eval_dataset=evaluation, data_collator=collate, callbacks=[recorder]
+    )
     if sp == 0:
         trainer = Seq2SeqTrainer(args=Seq2SeqTrainingArguments(**common), **kwargs)
     else:
@@ -100,15 +130,27 @@ def data_and_prediction_checks(drop_last: bool, fsdp: bool = False) -> dict:
     import torch.distributed as dist
 
     # group_by_length: batches of similar length for training; evaluation must keep the dataset order
-    trainer, _ = make_trainer(sp=2, batch=3, eval_batch=3, train_size=22, eval_size=13,
-                              extra=dict(dataloader_drop_last=drop_last, train_sampling_strategy="group_by_length",
-                                         **({"fsdp": "full_shard"} if fsdp else {})))
+    trainer, _ = make_trainer(
+        sp=2,
+        batch=3,
+        eval_batch=3,
+        train_size=22,
+        eval_size=13,
+        extra=dict(
+            dataloader_drop_last=drop_last,
+            train_sampling_strategy="group_by_length",
+            **({"fsdp": "full_shard"} if fsdp else {}),
+        ),
+    )
     layout = trainer.layout
     epoch = [[_row_id(r) for r in batch["input_ids"]] for batch in trainer.get_train_dataloader()]
     epochs = [None] * layout.world_size
     dist.all_gather_object(epochs, epoch)
-    result = {"epochs": epochs, "sp_size": layout.sp_size, "train": [_row_id(torch.tensor(r))
-                                                                       for r in trainer.train_dataset["input_ids"]]}
+    result = {
+        "epochs": epochs,
+        "sp_size": layout.sp_size,
+        "train": [_row_id(torch.tensor(r)) for r in trainer.train_dataset["input_ids"]],
+    }
     if drop_last:
         return result
 
@@ -120,20 +162,25 @@ def data_and_prediction_checks(drop_last: bool, fsdp: bool = False) -> dict:
         single = collate([dataset[i]])
         with torch.no_grad():
             expected = reference(**single).logits[0]
-        got = torch.as_tensor(output.predictions[i, :expected.shape[0]])
+        got = torch.as_tensor(output.predictions[i, : expected.shape[0]])
         errors.append(((got - expected).norm() / expected.norm()).item())
-    result.update(n_predictions=len(output.predictions), n_labels=len(output.label_ids), logits_err=max(errors),
-                  steps=output.metrics["test_steps_per_second"] * output.metrics["test_runtime"])
+    result.update(
+        n_predictions=len(output.predictions),
+        n_labels=len(output.label_ids),
+        logits_err=max(errors),
+        steps=output.metrics["test_steps_per_second"] * output.metrics["test_runtime"],
+    )
 
     trainer.args.predict_with_generate = True
     generated = trainer.predict(dataset, max_new_tokens=6).predictions
     mismatches = 0
     for i in range(len(dataset)):
         single = collate([dataset[i]])
-        expected = reference.generate(input_ids=single["input_ids"], attention_mask=single["attention_mask"],
-                                      max_new_tokens=6, do_sample=False)[0].tolist()
+        expected = reference.generate(
+            input_ids=single["input_ids"], attention_mask=single["attention_mask"], max_new_tokens=6, do_sample=False
+        )[0].tolist()
         got = [t for t in generated[i].tolist() if t >= 0]
-        mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
+        mismatches += got[: len(expected)] != expected or any(t != 0 for t in got[len(expected) :])
     result.update(n_generated=len(generated), generation_mismatches=mismatches)
     return result
 
@@ -142,8 +189,14 @@ def resume_run(output_dir: str, sp: int = 2, tp: int = 1, fsdp: bool = False) ->
     """6 steps saving at step 3; then a fresh trainer resumes from checkpoint-3."""
     extra = dict(save_strategy="steps", save_steps=3, **({"fsdp": "full_shard"} if fsdp else {}))
     full = run(sp=sp, tp=tp, steps=6, output_dir=output_dir, extra=extra)
-    resumed = run(sp=sp, tp=tp, steps=6, output_dir=output_dir + "-resumed", extra=extra,
-                  resume=os.path.join(output_dir, "checkpoint-3"))
+    resumed = run(
+        sp=sp,
+        tp=tp,
+        steps=6,
+        output_dir=output_dir + "-resumed",
+        extra=extra,
+        resume=os.path.join(output_dir, "checkpoint-3"),
+    )
     return {"full": full, "resumed": resumed, "checkpoint": os.path.join(output_dir, "checkpoint-6")}
 
 
@@ -152,8 +205,9 @@ def plain_eval(checkpoint: str) -> float:
     from transformers import AutoModelForSeq2SeqLM
 
     model = AutoModelForSeq2SeqLM.from_pretrained(checkpoint)
-    args = Seq2SeqTrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=8, report_to=[],
-                                    use_cpu=True, disable_tqdm=True)
+    args = Seq2SeqTrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=8, report_to=[], use_cpu=True, disable_tqdm=True
+    )
     trainer = Seq2SeqTrainer(model=model, args=args, data_collator=collate)
     return trainer.evaluate(synthetic_dataset(13, seed=2))["eval_loss"]
 
@@ -171,20 +225,26 @@ def tp_generation_check() -> dict:
     mismatches = 0
     for i in range(len(trainer.eval_dataset)):
         single = collate([trainer.eval_dataset[i]])
-        expected = reference.generate(input_ids=single["input_ids"], attention_mask=single["attention_mask"],
-                                      max_new_tokens=6, do_sample=False)[0].tolist()
+        expected = reference.generate(
+            input_ids=single["input_ids"], attention_mask=single["attention_mask"], max_new_tokens=6, do_sample=False
+        )[0].tolist()
         got = [t for t in generated[i].tolist() if t >= 0]
-        mismatches += got[:len(expected)] != expected or any(t != 0 for t in got[len(expected):])
+        mismatches += got[: len(expected)] != expected or any(t != 0 for t in got[len(expected) :])
     return {"rows": len(generated), "mismatches": mismatches}
 
 
 # name -> (world, run config): the same global batch of 8 everywhere, for training and evaluation
 # (13 eval examples: the last global batch is partial). Label smoothing is checked once (sp2-ls).
-SETUPS = {"sp2": (2, dict(sp=2, batch=8)), "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
-          "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)), "tp2": (2, dict(sp=1, tp=2, batch=8)),
-          "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)), "tp2xsp2": (4, dict(sp=2, tp=2, batch=8)),
-          "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
-          "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard")))}
+SETUPS = {
+    "sp2": (2, dict(sp=2, batch=8)),
+    "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
+    "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)),
+    "tp2": (2, dict(sp=1, tp=2, batch=8)),
+    "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)),
+    "tp2xsp2": (4, dict(sp=2, tp=2, batch=8)),
+    "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
+    "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard"))),
+}
 RESUME = {"sp2-tp1": dict(sp=2, tp=1), "sp1-tp2": dict(sp=1, tp=2), "sp2-fsdp": dict(sp=2, tp=1, fsdp=True)}
 # resumed at another layout from RESUME's checkpoint-3: optimizer state numbered by torch (tp 1) or by name (tp 2,
 # its groups split per device mesh) is converted by name
@@ -193,6 +253,14 @@ RESUME_ACROSS = {"sp2-tp1->sp1-tp2": ("sp2-tp1", dict(sp=1, tp=2)), "sp1-tp2->sp
 
 def resume_across(resume_dir: str) -> dict:
     """The last 3 steps of RESUME's runs, at the other layout (no checkpoints written)."""
-    return {name: run(sp=config["sp"], tp=config["tp"], steps=6, output_dir=f"{resume_dir}/{name}",
-                      extra=dict(save_strategy="no"), resume=f"{resume_dir}/{source}/checkpoint-3")
-            for name, (source, config) in RESUME_ACROSS.items()}
+    return {
+        name: run(
+            sp=config["sp"],
+            tp=config["tp"],
+            steps=6,
+            output_dir=f"{resume_dir}/{name}",
+            extra=dict(save_strategy="no"),
+            resume=f"{resume_dir}/{source}/checkpoint-3",
+        )
+        for name, (source, config) in RESUME_ACROSS.items()
+    }

@@ -17,17 +17,33 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from ..helpers.models import VOCAB, build_model
 
-LOGGED = ("loss", "grad_norm", "eval_loss", "mean_token_accuracy", "entropy", "num_tokens", "eval_mean_token_accuracy",
-          "eval_entropy", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-          "logps/chosen", "logps/rejected", "eval_rewards/margins", "eval_logps/chosen")
+LOGGED = (
+    "loss",
+    "grad_norm",
+    "eval_loss",
+    "mean_token_accuracy",
+    "entropy",
+    "num_tokens",
+    "eval_mean_token_accuracy",
+    "eval_entropy",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "eval_rewards/margins",
+    "eval_logps/chosen",
+)
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
     vocab = {f"t{i}": i for i in range(VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2",
-                                   unk_token="t3")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
+    )
 
 
 def sft_dataset(n: int, seed: int) -> Dataset:
@@ -46,8 +62,10 @@ def dpo_dataset(n: int, seed: int) -> Dataset:
     def text(lo, hi):
         ids = torch.randint(4, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
         return " ".join(f"t{i}" for i in ids)
-    return Dataset.from_list([{"prompt": text(4, 12) + " ", "chosen": text(3, 15), "rejected": text(3, 15)}
-                              for _ in range(n)])
+
+    return Dataset.from_list(
+        [{"prompt": text(4, 12) + " ", "chosen": text(3, 15), "rejected": text(3, 15)} for _ in range(n)]
+    )
 
 
 class Recorder(TrainerCallback):
@@ -59,18 +77,42 @@ class Recorder(TrainerCallback):
 
 
 def _common(batch, accumulation, steps, extra):
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
-                  gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3, logging_steps=1,
-                  eval_strategy="steps", eval_steps=steps, save_strategy="no", report_to=[], seed=0, use_cpu=True,
-                  dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant", bf16=False,
-                  gradient_checkpointing=False)  # TRL's defaults turn both on
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=steps,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        lr_scheduler_type="constant",
+        bf16=False,
+        gradient_checkpointing=False,
+    )  # TRL's defaults turn both on
     common.update(extra or {})
     return common
 
 
-def run_sft(sp: int = 0, batch: int = 4, accumulation: int = 1, steps: int = 3, mode: str = "ulysses",
-            peft: bool = False, checkpointing: bool = False, packing: bool = False, extra: dict | None = None,
-            patch_first: bool = True) -> list[dict]:
+def run_sft(
+    sp: int = 0,
+    batch: int = 4,
+    accumulation: int = 1,
+    steps: int = 3,
+    mode: str = "ulysses",
+    peft: bool = False,
+    checkpointing: bool = False,
+    packing: bool = False,
+    extra: dict | None = None,
+    patch_first: bool = True,
+) -> list[dict]:
     """sp=0: plain TRL SFTTrainer (the reference, one process). Otherwise SequenceParallelSFTTrainer."""
     from trl import SFTConfig, SFTTrainer
 
@@ -83,23 +125,31 @@ def run_sft(sp: int = 0, batch: int = 4, accumulation: int = 1, steps: int = 3, 
     peft_config = None
     if peft:
         from peft import LoraConfig
+
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     recorder = Recorder()
-    data = dict(train_dataset=sft_dataset(24, 1), eval_dataset=sft_dataset(8, 2), processing_class=tokenizer(),
-                callbacks=[recorder], peft_config=peft_config)
+    data = dict(
+        train_dataset=sft_dataset(24, 1),
+        eval_dataset=sft_dataset(8, 2),
+        processing_class=tokenizer(),
+        callbacks=[recorder],
+        peft_config=peft_config,
+    )
     common = _common(batch, accumulation, steps, kwargs)
     if sp == 0:
         trainer = SFTTrainer(model=model, args=SFTConfig(**common), **data)
     else:
         import seqpar_hf
         from seqpar_hf.training.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer
+
         args = SequenceParallelSFTConfig(sp_size=sp, sp_mode=mode, **common)
         if not patch_first:  # TRL first: the trainer patches the model it got
             trainer = SequenceParallelSFTTrainer(model=model, args=args, **data)
         else:
             layout = seqpar_hf.ParallelLayout(sp_size=sp, mode=mode)
-            trainer = SequenceParallelSFTTrainer(model=seqpar_hf.patch_model(model, layout), args=args, layout=layout,
-                                                 **data)
+            trainer = SequenceParallelSFTTrainer(
+                model=seqpar_hf.patch_model(model, layout), args=args, layout=layout, **data
+            )
     trainer.train()
     return recorder.logs
 
@@ -111,20 +161,30 @@ def run_dpo(sp: int = 0, batch: int = 4, steps: int = 3, mode: str = "ulysses", 
 
     model = build_model("llama", layers=2)
     recorder = Recorder()
-    data = dict(train_dataset=dpo_dataset(16, 3), eval_dataset=dpo_dataset(8, 4), processing_class=tokenizer(),
-                callbacks=[recorder])
+    data = dict(
+        train_dataset=dpo_dataset(16, 3),
+        eval_dataset=dpo_dataset(8, 4),
+        processing_class=tokenizer(),
+        callbacks=[recorder],
+    )
     common = _common(batch, 1, steps, dict(max_length=None))
     if sp == 0:
         trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=DPOConfig(**common), **data)
     else:
         import seqpar_hf
         from seqpar_hf.training.trl import SequenceParallelDPOConfig, SequenceParallelDPOTrainer
+
         layout = seqpar_hf.ParallelLayout(sp_size=sp, mode=mode)
         reference = copy.deepcopy(model)
         seqpar_hf.patch_model(model, layout)
         ref_model = copy.deepcopy(model) if ref == "copy" else reference
-        trainer = SequenceParallelDPOTrainer(model=model, ref_model=ref_model, layout=layout,
-                                             args=SequenceParallelDPOConfig(sp_size=sp, sp_mode=mode, **common), **data)
+        trainer = SequenceParallelDPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            layout=layout,
+            args=SequenceParallelDPOConfig(sp_size=sp, sp_mode=mode, **common),
+            **data,
+        )
     trainer.train()
     return recorder.logs
 
@@ -145,8 +205,10 @@ CASES = {
     "sft-peft": (dict(peft=True), dict(peft=True)),
     "sft-accumulation": (dict(batch=2, accumulation=2), dict(batch=2, accumulation=2)),
     "sft-packing": (dict(packing=True), dict(packing=True)),
-    "sft-peft-packing-checkpointing": (dict(peft=True, packing=True, checkpointing=True),
-                                       dict(peft=True, packing=True, checkpointing=True)),
+    "sft-peft-packing-checkpointing": (
+        dict(peft=True, packing=True, checkpointing=True),
+        dict(peft=True, packing=True, checkpointing=True),
+    ),
     "sft-ring": (dict(mode="ring"), dict()),
     "sft-model-patched-by-the-trainer": (dict(patch_first=False), dict()),
     "dpo-reference-a-deep-copy": (dict(trainer="dpo"), dict(trainer="dpo")),

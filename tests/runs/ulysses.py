@@ -28,6 +28,7 @@ class _Count:
         def counted(*args, **kwargs):
             self.calls += 1
             return self.original(*args, **kwargs)
+
         dist.all_to_all_single = counted
         return self
 
@@ -41,13 +42,15 @@ def _exchanges() -> list[dict]:
     for (h, g, s_q, s_k), d_v in ((s, w) for s in SHAPES if s[0] >= n for w in V_WIDTHS):
         gen = torch.Generator().manual_seed(h * 100 + g)
         b, d = 2, 4
-        full = [torch.randn(b, m, s * n, w, generator=gen)
-                for m, s, w in ((h, s_q, d), (g, s_k, d), (g, s_k, d_v), (h, s_q, d_v))]  # q, k, v, dO
-        local = [x[:, :, rank * x.shape[2] // n:(rank + 1) * x.shape[2] // n] for x in full]
+        full = [
+            torch.randn(b, m, s * n, w, generator=gen)
+            for m, s, w in ((h, s_q, d), (g, s_k, d), (g, s_k, d_v), (h, s_q, d_v))
+        ]  # q, k, v, dO
+        local = [x[:, :, rank * x.shape[2] // n : (rank + 1) * x.shape[2] // n] for x in full]
         causal = s_q == s_k
 
         def inner(q, k, v, kv_for_q):
-            return kernels.unmasked(q, k, v, causal, d ** -0.5, kv_for_q)
+            return kernels.unmasked(q, k, v, causal, d**-0.5, kv_for_q)
 
         def run(fn):
             q, k, v = (x.clone().requires_grad_() for x in local[:3])
@@ -60,9 +63,16 @@ def _exchanges() -> list[dict]:
         reference, ref_calls = run(ulysses_attention_separate)
         for chunks in range(1, max_chunks(h, n) + 1):
             got, calls = run(lambda *a, c=chunks: ulysses_attention(*a, chunks=c))
-            out.append({"shape": (h, g, s_q, s_k, d_v), "chunks": chunks, "calls": calls, "reference_calls": ref_calls,
-                        "equal": all(torch.equal(x, y) for x, y in zip(got, reference)),
-                        "error": max(relative_error(x, y) for x, y in zip(got, reference))})
+            out.append(
+                {
+                    "shape": (h, g, s_q, s_k, d_v),
+                    "chunks": chunks,
+                    "calls": calls,
+                    "reference_calls": ref_calls,
+                    "equal": all(torch.equal(x, y) for x, y in zip(got, reference)),
+                    "error": max(relative_error(x, y) for x, y in zip(got, reference)),
+                }
+            )
     return out
 
 
@@ -72,7 +82,7 @@ def _auto_refusals() -> dict:
     layout = seqpar_hf.ParallelLayout(sp_size=dist.get_world_size(), mode="auto")
     out = {}
     try:
-        layout.ulysses_group
+        _ = layout.ulysses_group
     except AttributeError as exc:
         out["before"] = str(exc)
     # one auto layout patches models of different heads, each resolved on its own; the layout stays as built
@@ -80,9 +90,13 @@ def _auto_refusals() -> dict:
     for model in models:
         seqpar_hf.patch_model(model, layout)
     chosen = [seqpar_hf.layout_of(m) for m in models]
-    out["per_model"] = {"modes": [c.mode for c in chosen], "shared": chosen[0] is chosen[2], "layout": repr(layout),
-                        "reason": chosen[1].auto_choice.reason, "repatch_noop": seqpar_hf.patch_model(models[0], layout)
-                        is models[0]}
+    out["per_model"] = {
+        "modes": [c.mode for c in chosen],
+        "shared": chosen[0] is chosen[2],
+        "layout": repr(layout),
+        "reason": chosen[1].auto_choice.reason,
+        "repatch_noop": seqpar_hf.patch_model(models[0], layout) is models[0],
+    }
     heads = 4 if dist.get_rank() == 0 else 8
     try:
         seqpar_hf.patch_model(build_model("llama", heads=heads, kv_heads=2), layout)

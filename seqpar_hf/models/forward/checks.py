@@ -36,17 +36,47 @@ from ...parallel.layout import MODES
 from . import replica_weights, validate
 from .state import ATTN_DECODE_NAME, ATTN_NAME
 
-FIELDS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
-          "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "decoder_position_ids")
+FIELDS = (
+    "input_ids",
+    "inputs_embeds",
+    "attention_mask",
+    "position_ids",
+    "labels",
+    "shift_labels",
+    "cu_seq_lens_q",
+    "decoder_input_ids",
+    "decoder_inputs_embeds",
+    "decoder_attention_mask",
+    "decoder_position_ids",
+)
 _SLOTS = 6  # present, dtype, ndim, dim 0, dim 1, checksum
-_DTYPE_LIST = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-               torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_LIST = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
 _DTYPES = {dt: i for i, dt in enumerate(_DTYPE_LIST)}
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # the settings, each a few int64 slots: name -> number of slots (3 rows of _SLOTS)
-SETTINGS = {"model.training": 1, "layout": 6, "attention implementation": 1, "tiled loss": 3,
-            "num_items_in_batch": 2, "label_smoothing": 1, "logits_to_keep": 1, "output_hidden_states": 1,
-            "output_attentions": 1, "lm_loss": 1}
+SETTINGS = {
+    "model.training": 1,
+    "layout": 6,
+    "attention implementation": 1,
+    "tiled loss": 3,
+    "num_items_in_batch": 2,
+    "label_smoothing": 1,
+    "logits_to_keep": 1,
+    "output_hidden_states": 1,
+    "output_attentions": 1,
+    "lm_loss": 1,
+}
 _SETTING_SLOTS = 3 * _SLOTS
 assert sum(SETTINGS.values()) == _SETTING_SLOTS
 # the call's 2 rows: [call, weights (replicated, sharded, shard key, parameters), 0], [generate's 4 values, 0, 0]
@@ -87,7 +117,8 @@ def fingerprint(inputs: dict, settings: dict, device, call: list | None = None) 
     checksums and device scalars are placed on the device."""
     call = call_values(FORWARD, None, device) if call is None else call
     assert len(call) == _CALL_SLOTS
-    meta, sums = [], []
+    meta: list[list[int]] = []
+    sums: list[torch.Tensor | None] = []
     for name in FIELDS:
         x = inputs.get(name)
         if isinstance(x, torch.Tensor):
@@ -98,23 +129,25 @@ def fingerprint(inputs: dict, settings: dict, device, call: list | None = None) 
             meta.append([0] * (_SLOTS - 1))
             sums.append(None)
     flat = [v for name in SETTINGS for v in settings[name]] + call
-    host = [v for row in meta for v in row] + [0 if isinstance(v, torch.Tensor) else int(v) for v in flat]
-    host = torch.tensor(host, dtype=torch.long).to(device)  # one copy to the device
+    values = [v for row in meta for v in row] + [0 if isinstance(v, torch.Tensor) else int(v) for v in flat]
+    host = torch.tensor(values, dtype=torch.long).to(device)  # one copy to the device
     zero = torch.zeros((), dtype=torch.long, device=device)
     checksums = torch.stack([zero if c is None else c for c in sums])  # [len(FIELDS)]
-    tensors = torch.cat([host[:len(meta) * (_SLOTS - 1)].view(len(meta), _SLOTS - 1), checksums[:, None]], 1)
-    settings_row = host[len(meta) * (_SLOTS - 1):].clone()
+    tensors = torch.cat([host[: len(meta) * (_SLOTS - 1)].view(len(meta), _SLOTS - 1), checksums[:, None]], 1)
+    settings_row = host[len(meta) * (_SLOTS - 1) :].clone()
     for i, v in enumerate(flat):
         if isinstance(v, torch.Tensor):  # a device scalar (num_items_in_batch, checksums): placed without a host sync
             settings_row[i] = v.detach().to(device).reshape(())
     return torch.cat([tensors.flatten(), settings_row]).view(-1, _SLOTS)
 
 
-def forward_settings(state, training: bool, kwargs: dict, num_items=None, label_smoothing=0.0,
-                     lm_loss: bool = False) -> dict:
+def forward_settings(
+    state, training: bool, kwargs: dict, num_items=None, label_smoothing=0.0, lm_loss: bool = False
+) -> dict:
     """The settings of one forward that change its numbers or its collectives (see the module doc)."""
     layout, tiled = state.layout, state.tiled
     s = layout.sizes
+    items: tuple[int, int | torch.Tensor]
     if num_items is None:
         items = (0, 0)
     elif isinstance(num_items, torch.Tensor):
@@ -122,14 +155,18 @@ def forward_settings(state, training: bool, kwargs: dict, num_items=None, label_
     else:
         items = (2, float_bits(num_items)) if isinstance(num_items, float) else (1, int(num_items))
     keep = kwargs.get("logits_to_keep", 0)
-    return {"model.training": (int(training),),
-            "layout": (MODES.index(s.mode), s.sp_size, s.ring_size, s.tp_size, s.world_size, layout.serial),
-            "attention implementation": (attention_code(attention_in_use(state)),),
-            "tiled loss": ({False: 0, True: 1}.get(tiled.setting, 2), tiled.min_elements, tiled.chunk_elements),
-            "num_items_in_batch": items, "label_smoothing": (float_bits(label_smoothing or 0.0),),
-            "logits_to_keep": (keep if isinstance(keep, int) else -1,),
-            "output_hidden_states": (int(bool(kwargs.get("output_hidden_states"))),),
-            "output_attentions": (int(bool(kwargs.get("output_attentions"))),), "lm_loss": (int(lm_loss),)}
+    return {
+        "model.training": (int(training),),
+        "layout": (MODES.index(s.mode), s.sp_size, s.ring_size, s.tp_size, s.world_size, layout.serial),
+        "attention implementation": (attention_code(attention_in_use(state)),),
+        "tiled loss": ({False: 0, True: 1}.get(tiled.setting, 2), tiled.min_elements, tiled.chunk_elements),
+        "num_items_in_batch": items,
+        "label_smoothing": (float_bits(label_smoothing or 0.0),),
+        "logits_to_keep": (keep if isinstance(keep, int) else -1,),
+        "output_hidden_states": (int(bool(kwargs.get("output_hidden_states"))),),
+        "output_attentions": (int(bool(kwargs.get("output_attentions"))),),
+        "lm_loss": (int(lm_loss),),
+    }
 
 
 def attention_in_use(state):
@@ -151,11 +188,13 @@ def require_sp_attention(state) -> None:
             "(set_attn_implementation or config._attn_implementation): its layers would run plain attention on "
             f"their shard of the sequence, a wrong result. Set it back (model.set_attn_implementation({ATTN_NAME!r}))"
             "; to change the implementation used without SP (generation, sp_disabled), call "
-            "seqpar_hf.unpatch_model(model), set it, and patch the model again")
+            "seqpar_hf.unpatch_model(model), set it, and patch the model again"
+        )
 
 
-def check_same_batch(inputs: dict, settings: dict, group, device, extra: torch.Tensor | None = None,
-                     call: list | None = None) -> list[int]:
+def check_same_batch(
+    inputs: dict, settings: dict, group, device, extra: torch.Tensor | None = None, call: list | None = None
+) -> list[int]:
     """Raise on every rank of `group` if their batches, settings or weights differ (one small all-gather).
     `call`: `call_values` (default: a forward, no weights). `extra` (int64, at most EXTRA_ROWS rows, not
     compared) rides along; returns this rank's `extra` values (one host sync)."""
@@ -165,14 +204,20 @@ def check_same_batch(inputs: dict, settings: dict, group, device, extra: torch.T
     tail = torch.cat([extra, extra.new_zeros(pad)]).view(-1, _SLOTS)
     mine = torch.cat([fingerprint(inputs, settings, device, call), tail])  # [COMPARED + EXTRA_ROWS, _SLOTS]
     everyone = exchange(mine, group, "in the batch check at the start of a forward")
-    own = [v for row in everyone[_rank_in(group) if len(everyone) > 1 else 0][COMPARED:] for v in row][:extra.numel()]
+    own = [v for row in everyone[_rank_in(group) if len(everyone) > 1 else 0][COMPARED:] for v in row][: extra.numel()]
     if agree(everyone):
         return own
     problems, weights = batch_problems(everyone), weights_problems(everyone)
-    batch = ("ranks of one replica (the ranks that must pass the same batch: an SP group, times TP) got different "
-             "batches or settings (" + "; ".join(problems) + "). Every rank of a replica must pass the same, full "
-             "batch with the same arguments and model state: shard data over layout.dp_size / layout.dp_rank, not "
-             "over the world (SequenceParallelTrainer does this).") if problems else ""
+    batch = (
+        (
+            "ranks of one replica (the ranks that must pass the same batch: an SP group, times TP) got different "
+            "batches or settings (" + "; ".join(problems) + "). Every rank of a replica must pass the same, full "
+            "batch with the same arguments and model state: shard data over layout.dp_size / layout.dp_rank, not "
+            "over the world (SequenceParallelTrainer does this)."
+        )
+        if problems
+        else ""
+    )
     raise (ValueError if problems else RuntimeError)(" ".join(m for m in (batch, weights) if m))
 
 
@@ -184,16 +229,19 @@ def exchange(mine: torch.Tensor, group, doing: str) -> list:
     n = group_size(group)
     if n == 1:
         return [mine.tolist()]
-    everyone = mine.new_empty((n, *mine.shape))
+    gathered = mine.new_empty((n, *mine.shape))
     with explain_timeout(doing):
-        all_gather_into(everyone, mine.unsqueeze(0), group=group)  # [n, rows, _SLOTS]
-    everyone = everyone.tolist()
+        all_gather_into(gathered, mine.unsqueeze(0), group=group)  # [n, rows, _SLOTS]
+    everyone = gathered.tolist()
     calls = [rows[CALL_ROW][0] for rows in everyone]
     if len(set(calls)) > 1:
-        raise RuntimeError("ranks of one replica are in different calls of the patched model (" + ", ".join(
-            f"rank {r} is in {_CALLS.get(c, 'another call')}" for r, c in enumerate(calls)) + "). Every rank of a "
+        raise RuntimeError(
+            "ranks of one replica are in different calls of the patched model ("
+            + ", ".join(f"rank {r} is in {_CALLS.get(c, 'another call')}" for r, c in enumerate(calls))
+            + "). Every rank of a "
             "replica must make the same calls with the same batch (every forward, and generate, on every rank "
-            "together); otherwise their collectives would mix or hang.")
+            "together); otherwise their collectives would mix or hang."
+        )
     return everyone
 
 
@@ -201,7 +249,7 @@ def _comparable(rows: list) -> list:
     """The compared rows, without the sharded weights' checksum and key (compared among ranks that share them)."""
     call = list(rows[CALL_ROW])
     call[2] = call[3] = 0
-    return rows[:CALL_ROW] + [call] + rows[CALL_ROW + 1:COMPARED]
+    return rows[:CALL_ROW] + [call] + rows[CALL_ROW + 1 : COMPARED]
 
 
 def agree(everyone: list) -> bool:
@@ -212,12 +260,19 @@ def agree(everyone: list) -> bool:
 def weights_problems(everyone: list) -> str:
     """The message when the ranks' weights differ ('' when they agree)."""
     found = replica_weights.problems([rows[CALL_ROW][1:5] for rows in everyone])
-    return (f"ranks of one replica hold different weights ({'; '.join(found)}): the replica has diverged. "
-            f"{replica_weights.ADVICE}") if found else ""
+    return (
+        (
+            f"ranks of one replica hold different weights ({'; '.join(found)}): the replica has diverged. "
+            f"{replica_weights.ADVICE}"
+        )
+        if found
+        else ""
+    )
 
 
 def _rank_in(group) -> int:
     import torch.distributed as dist
+
     return dist.get_rank(group)
 
 
@@ -235,17 +290,21 @@ def batch_problems(everyone: list) -> list[str]:
         if len({r[0] for r in per_rank}) > 1:
             problems.append(f"{name} given on ranks {[k for k, r in enumerate(per_rank) if r[0]]} only")
         elif len({r[1] for r in per_rank}) > 1:
-            problems.append(f"{name} dtypes differ: " + _per_rank(
-                [_DTYPE_LIST[r[1]] if r[1] < len(_DTYPE_LIST) else "other" for r in per_rank]))
+            problems.append(
+                f"{name} dtypes differ: "
+                + _per_rank([_DTYPE_LIST[r[1]] if r[1] < len(_DTYPE_LIST) else "other" for r in per_rank])
+            )
         elif len({tuple(r[2:5]) for r in per_rank}) > 1:
-            problems.append(f"{name} shapes differ: " + _per_rank(
-                [tuple(d for d in r[3:5] if d >= 0) + (("...",) if r[2] > 2 else ()) for r in per_rank]))
+            problems.append(
+                f"{name} shapes differ: "
+                + _per_rank([tuple(d for d in r[3:5] if d >= 0) + (("...",) if r[2] > 2 else ()) for r in per_rank])
+            )
         else:
             problems.append(f"{name} values differ")
-    flat = [[v for row in rows[len(FIELDS):len(FIELDS) + 3] for v in row] for rows in everyone]
+    flat = [[v for row in rows[len(FIELDS) : len(FIELDS) + 3] for v in row] for rows in everyone]
     start = 0
     for name, width in SETTINGS.items():
-        per_rank = [tuple(f[start:start + width]) for f in flat]
+        per_rank = [tuple(f[start : start + width]) for f in flat]
         start += width
         if len(set(per_rank)) > 1:
             problems.append(f"{name} differs: " + _per_rank([_describe(name, v) for v in per_rank]))
@@ -255,8 +314,10 @@ def batch_problems(everyone: list) -> list[str]:
 def _describe(name: str, value: tuple):
     if name == "layout":
         mode, sp, ring, tp, world, serial = value
-        return (f"layout #{serial} of the process ({MODES[mode] if 0 <= mode < len(MODES) else mode}, sp {sp}, "
-                f"ring {ring}, tp {tp}, world {world})")
+        return (
+            f"layout #{serial} of the process ({MODES[mode] if 0 <= mode < len(MODES) else mode}, sp {sp}, "
+            f"ring {ring}, tp {tp}, world {world})"
+        )
     if name == "attention implementation":
         return attention_name(value[0])
     if name == "tiled loss":
@@ -279,8 +340,18 @@ def attention_name(code: int):
     return _ATTENTION[code] if 0 <= code < len(_ATTENTION) else "another implementation"
 
 
-def check_forward(state, kwargs: dict, training: bool, device, labels=None, shift_labels=None, num_items=None,
-                  label_smoothing=0.0, lm_loss: bool = False, compare: bool = True) -> None:
+def check_forward(
+    state,
+    kwargs: dict,
+    training: bool,
+    device,
+    labels=None,
+    shift_labels=None,
+    num_items=None,
+    label_smoothing=0.0,
+    lm_loss: bool = False,
+    compare: bool = True,
+) -> None:
     """Before sharding, on every rank of the replica: the fingerprint (a mismatch raises everywhere), then
     the attention implementation, then the full batch's validation (`validate`), all from one all-gather
     and one host sync. Without `check_inputs` (or `compare`: the caller compared the inputs already), the
@@ -288,9 +359,14 @@ def check_forward(state, kwargs: dict, training: bool, device, labels=None, shif
     extra = validate.extremes(state.family.kind, kwargs, labels, shift_labels, device)
     if state.check_inputs and compare:
         settings = forward_settings(state, training, kwargs, num_items, label_smoothing, lm_loss)
-        values = check_same_batch({**kwargs, "labels": labels, "shift_labels": shift_labels}, settings,
-                                  state.layout.replica_group, device, extra,
-                                  call_values(FORWARD, state.family.pretrained, device))
+        values = check_same_batch(
+            {**kwargs, "labels": labels, "shift_labels": shift_labels},
+            settings,
+            state.layout.replica_group,
+            device,
+            extra,
+            call_values(FORWARD, state.family.pretrained, device),
+        )
     else:
         values = extra.tolist()
     require_sp_attention(state)

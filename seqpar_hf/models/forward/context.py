@@ -19,8 +19,15 @@ CONTEXT_KWARG = "seqpar_ctx"  # the keyword argument that carries the context to
 
 
 class ForwardContext:
-    def __init__(self, layout: ParallelLayout, seqs: dict[str, SeqMeta], positions: dict[str, torch.Tensor],
-                 full_positions: dict[str, torch.Tensor], local_outputs: bool, ids: dict | None = None):
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        seqs: dict[str, SeqMeta],
+        positions: dict[str, torch.Tensor],
+        full_positions: dict[str, torch.Tensor],
+        local_outputs: bool,
+        ids: dict | None = None,
+    ):
         self.layout = layout
         self.seqs = seqs  # side -> what attention needs to know about that sequence
         self.positions = positions  # side -> [b or 1, s_loc] position ids of this rank's tokens

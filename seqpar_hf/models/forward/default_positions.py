@@ -14,8 +14,9 @@ import torch
 RULES = ("arange", "mask_cumsum", "padding_aware")
 
 
-def compute(rule: str, ids: torch.Tensor | None, mask: torch.Tensor | None, batch: int, length: int, pad_id: int,
-            device) -> torch.Tensor | None:
+def compute(
+    rule: str, ids: torch.Tensor | None, mask: torch.Tensor | None, batch: int, length: int, pad_id: int, device
+) -> torch.Tensor | None:
     """[b or 1, length] position ids of the full sequence under `rule`; None for "arange" (the default)."""
     if rule == "arange":
         return None

@@ -37,8 +37,13 @@ from .rng import per_rank_stream
 from .state import PatchState, Request
 
 _INCREMENTAL = ("cache", "past_key_values", "encoder_outputs")
-_SEQUENCE_OUTPUTS = ("last_hidden_state", "hidden_states", "decoder_hidden_states", "encoder_last_hidden_state",
-                     "encoder_hidden_states")
+_SEQUENCE_OUTPUTS = (
+    "last_hidden_state",
+    "hidden_states",
+    "decoder_hidden_states",
+    "encoder_last_hidden_state",
+    "encoder_hidden_states",
+)
 
 
 class Wrapper:
@@ -46,7 +51,7 @@ class Wrapper:
 
     def __init__(self, state: PatchState, original):
         self.state, self.original = state, original
-        functools.update_wrapper(self, original)
+        functools.update_wrapper(self, original)  # type: ignore[arg-type]  # the subclasses are the callables
         params = inspect.signature(original).parameters
         self.parameters = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
@@ -61,15 +66,16 @@ def _incremental(kwargs) -> bool:
 
 
 def _device(kwargs: dict, module) -> torch.device:
-    return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)),
-                next(module.parameters()).device)
+    return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), next(module.parameters()).device)
 
 
 def require_process_group(layout: ParallelLayout) -> None:
     """Raise, naming the fix, when the process group a patched model runs on is gone."""
     if not dist.is_initialized():
-        raise RuntimeError(f"this model is patched for sequence parallelism ({layout}) but no process group is "
-                           "initialised any more; call seqpar_hf.unpatch_model(model) to use it in one process")
+        raise RuntimeError(
+            f"this model is patched for sequence parallelism ({layout}) but no process group is "
+            "initialised any more; call seqpar_hf.unpatch_model(model) to use it in one process"
+        )
 
 
 class BackboneForward(Wrapper):
@@ -94,18 +100,27 @@ class BackboneForward(Wrapper):
             require_process_group(layout)
             if not (request is not None and request.checked):  # fingerprint, then the full batch's validation
                 # generate compared its inputs across the group already: the prompt's forward validates only
-                check_forward(state, kwargs, family.backbone.training, _device(kwargs, family.backbone),
-                              compare=session is None)
+                check_forward(
+                    state, kwargs, family.backbone.training, _device(kwargs, family.backbone), compare=session is None
+                )
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions is not available under sequence parallelism")
         if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
             raise NotImplementedError("output_hidden_states is not available with tensor parallelism")
         return_dict = kwargs.pop("return_dict", None)
         shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
-        ctx = shard(layout, kwargs, state.pad_id, local_outputs=request is not None, keep_ids=state.keep_ids,
-                    default_positions=state.default_positions, packed=family.packed_rows,
-                    use_cache=request.use_cache if request is not None else
-                    session is None and _use_cache(kwargs, family.backbone))
+        ctx = shard(
+            layout,
+            kwargs,
+            state.pad_id,
+            local_outputs=request is not None,
+            keep_ids=state.keep_ids,
+            default_positions=state.default_positions,
+            packed=family.packed_rows,
+            use_cache=request.use_cache
+            if request is not None
+            else session is None and _use_cache(kwargs, family.backbone),
+        )
         if not self.announced:
             self.announced = True
             announce.first_forward(layout, {side: seq.plan for side, seq in ctx.seqs.items()})
@@ -141,7 +156,7 @@ def _use_cache(kwargs: dict, module) -> bool:
     given = kwargs.get("use_cache")
     if given is None:
         config = getattr(module, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
         given = getattr(text, "use_cache", False)
     return bool(given)
 
@@ -166,8 +181,9 @@ def _gather_outputs(out, ctx: ForwardContext, everything: bool, last_only: bool 
             out[key] = _last_position(value, plan, group)
         elif key == "router_logits" and value is not None:
             # per layer [b * s_loc, E] -> [b, s_loc, E] -> [b, S, E] -> [b * S, E]
-            out[key] = tuple(gather_full(r.view(batch, -1, r.shape[-1]), plan, group, scale).flatten(0, 1)
-                             for r in value)
+            out[key] = tuple(
+                gather_full(r.view(batch, -1, r.shape[-1]), plan, group, scale).flatten(0, 1) for r in value
+            )
         elif everything and key in _SEQUENCE_OUTPUTS and value is not None:
             if isinstance(value, tuple):
                 out[key] = tuple(gather_full(t, plan, group, scale) for t in value)
@@ -181,7 +197,7 @@ def _last_position(x: torch.Tensor, plan, group) -> torch.Tensor:
     last = plan.length - 1
     owner = next(r for r in range(plan.sp_size) if bool((plan.global_index(r) == last).any()))
     index = int((plan.global_index(owner) == last).nonzero()[0])
-    out = x[:, index:index + 1].contiguous() if owner == plan.sp_rank else x.new_zeros(x.shape[0], 1, *x.shape[2:])
+    out = x[:, index : index + 1].contiguous() if owner == plan.sp_rank else x.new_zeros(x.shape[0], 1, *x.shape[2:])
     if group is not None:
         dist.broadcast(out, group=group, group_src=owner)
     return out
@@ -207,34 +223,51 @@ class LMForward(Wrapper):
         model = family.pretrained
         if layout.replica_size > 1:  # before any error of this rank alone: fingerprint, then validation
             require_process_group(layout)
-            check_forward(state, kwargs, model.training, _device(kwargs, model), labels, shift_labels, num_items,
-                          label_smoothing, lm_loss=True)
+            check_forward(
+                state,
+                kwargs,
+                model.training,
+                _device(kwargs, model),
+                labels,
+                shift_labels,
+                num_items,
+                label_smoothing,
+                lm_loss=True,
+            )
         if kwargs.get("logits_to_keep", 0) not in (0, None):
             raise ValueError("logits_to_keep is not supported with labels under sequence parallelism")
         return_dict = kwargs.pop("return_dict", None)
         targets = labels_.targets(family.kind, labels, shift_labels)  # on the full sequence
-        if family.kind == "seq2seq" and kwargs.get("decoder_input_ids") is None \
-                and kwargs.get("decoder_inputs_embeds") is None:
+        if (
+            family.kind == "seq2seq"
+            and kwargs.get("decoder_input_ids") is None
+            and kwargs.get("decoder_inputs_embeds") is None
+        ):
             kwargs["decoder_input_ids"] = labels_.decoder_inputs(model, labels, kwargs.get("decoder_position_ids"))
         use_cache = _use_cache(kwargs, model)
         kwargs["use_cache"] = False  # no cache under SP: its lengths would be local
         plans = _output_plans(family.kind, layout, kwargs)  # the plans the backbone will use
         head = TiledHead.make(state, model, targets) if model.training else None
-        with state.handing(Request(checked=True, use_cache=use_cache)), (head or contextlib.nullcontext()):
+        with state.handing(Request(checked=True, use_cache=use_cache)), head or contextlib.nullcontext():
             out = self.original(**kwargs, return_dict=True)
             bypassed = state.request is not None  # the backbone forward takes the request
         if bypassed:
-            raise RuntimeError(f"seqpar_hf: {type(model).__name__}'s forward did not run its backbone "
-                               f"({type(family.backbone).__name__}); cannot compute a sequence-parallel loss")
+            raise RuntimeError(
+                f"seqpar_hf: {type(model).__name__}'s forward did not run its backbone "
+                f"({type(family.backbone).__name__}); cannot compute a sequence-parallel loss"
+            )
         if head is not None and head.hidden is None:
-            raise RuntimeError(f"seqpar_hf: {type(model).__name__}'s forward did not call its output embeddings; "
-                               "patch it with tiled_loss=False")
+            raise RuntimeError(
+                f"seqpar_hf: {type(model).__name__}'s forward did not call its output embeddings; "
+                "patch it with tiled_loss=False"
+            )
         state.outputs = plans
         device = head.hidden.device if head is not None else out.logits.device
         local_labels = plans["decoder"].pad_and_shard(targets.to(device), IGNORE_INDEX)
         if head is not None:  # no [tokens, vocab] logits: head + cross-entropy in checkpointed chunks
-            token_sum = tiled_token_loss_sum(head.hidden, local_labels, head.logits, head.vocab_size, label_smoothing,
-                                             head.chunk_elements)
+            token_sum = tiled_token_loss_sum(
+                head.hidden, local_labels, head.logits, head.vocab_size, label_smoothing, head.chunk_elements
+            )
         else:
             token_sum = token_loss_sum(out.logits, local_labels, label_smoothing)
         loss = group_mean_loss(token_sum, local_labels, layout.sp_group, layout.sp_size, num_items)
@@ -254,7 +287,10 @@ def _length(kwargs: dict, ids: str, embeds: str) -> int | None:
 
 def _output_plans(kind: str, layout: ParallelLayout, kwargs: dict) -> dict:
     """The shard plans of the sequences the backbone will shard, from the inputs passed down to it."""
-    sides = {"decoder": ("decoder_input_ids", "decoder_inputs_embeds"), "encoder": ("input_ids", "inputs_embeds")} \
-        if kind == "seq2seq" else {"decoder": ("input_ids", "inputs_embeds")}
+    sides = (
+        {"decoder": ("decoder_input_ids", "decoder_inputs_embeds"), "encoder": ("input_ids", "inputs_embeds")}
+        if kind == "seq2seq"
+        else {"decoder": ("input_ids", "inputs_embeds")}
+    )
     lengths = {side: _length(kwargs, *keys) for side, keys in sides.items()}
     return {side: shard_plan(layout, n, causal=side == "decoder") for side, n in lengths.items() if n is not None}

@@ -50,7 +50,7 @@ class TiledHead:
         self.multiply = post.scaling == "multiply"
 
     @classmethod
-    def make(cls, state: PatchState, model, targets: torch.Tensor) -> "TiledHead | None":
+    def make(cls, state: PatchState, model, targets: torch.Tensor) -> TiledHead | None:
         tiled = state.tiled
         if tiled.setting is False or state.layout.sizes.tp_size > 1:
             return None  # under TP the head is a DTensor module whose hooks the capture would bypass

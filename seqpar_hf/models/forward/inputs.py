@@ -41,8 +41,10 @@ def _mask(mask, what: str) -> torch.Tensor | None:
     if mask is None:
         return None
     if mask.dim() != 2:
-        raise ValueError(f"seqpar_hf takes 2D padding masks [batch, seq] ({what}); got a {mask.dim()}D mask of shape "
-                         f"{tuple(mask.shape)}. Packed rows: pass restarting position_ids instead of a 4D mask")
+        raise ValueError(
+            f"seqpar_hf takes 2D padding masks [batch, seq] ({what}); got a {mask.dim()}D mask of shape "
+            f"{tuple(mask.shape)}. Packed rows: pass restarting position_ids instead of a 4D mask"
+        )
     return mask.bool()
 
 
@@ -50,12 +52,14 @@ def shard_plan(layout: ParallelLayout, length: int, causal: bool) -> ShardPlan:
     """Which tokens of a `length`-token sequence this rank holds: the one place plans are made, so a
     language-model forward shards its labels exactly as the backbone below it shards the tokens.
     Causal sequences are balanced across a ring by zigzag order (ShardPlan ignores it without a ring)."""
-    return ShardPlan.build(length, layout.sp_size, layout.sp_rank, layout.sizes.ring_size, zigzag=causal,
-                           tp_size=layout.sizes.tp_size)
+    ring = layout.sizes.ring_size
+    assert ring is not None  # a built layout (an auto layout shards nothing itself)
+    return ShardPlan.build(length, layout.sp_size, layout.sp_rank, ring, zigzag=causal, tp_size=layout.sizes.tp_size)
 
 
-def documents_from_positions(position_ids: torch.Tensor, what: str = "position_ids",
-                             always: bool = False) -> torch.Tensor | None:
+def documents_from_positions(
+    position_ids: torch.Tensor, what: str = "position_ids", always: bool = False
+) -> torch.Tensor | None:
     """[b, s] document index (from 0) of each token: a new document starts wherever positions do not
     count up by one (transformers' rule). None when every row is one document (and not `always`).
     In packed rows every document must start at position 0; the error names the row."""
@@ -67,9 +71,11 @@ def documents_from_positions(position_ids: torch.Tensor, what: str = "position_i
     bad = starts & (position_ids != 0)
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"packed row {row}: a document starts at token {col} with {what} {int(position_ids[row, col])};"
-                         f" packed rows must restart {what} at 0 for every document (got "
-                         f"{position_ids[row, max(0, col - 3):col + 3].tolist()} around it)")
+        raise ValueError(
+            f"packed row {row}: a document starts at token {col} with {what} {int(position_ids[row, col])};"
+            f" packed rows must restart {what} at 0 for every document (got "
+            f"{position_ids[row, max(0, col - 3) : col + 3].tolist()} around it)"
+        )
     return starts.long().cumsum(-1) - 1
 
 
@@ -79,21 +85,30 @@ def _check_cu_seq_lens(cu: torch.Tensor, doc: torch.Tensor | None, b: int, s: in
     SDPA and eager only the positions, and neither with an attention_mask), so both must say the same."""
     cu = cu.to(torch.long).flatten()
     if b != 1 or cu[0] != 0 or cu[-1] != s or bool((cu[1:] <= cu[:-1]).any()):
-        raise ValueError(f"cu_seq_lens_q {cu.tolist()} does not describe one packed row of {s} tokens "
-                         f"(batch {b}): it must start at 0, increase, and end at {s}")
+        raise ValueError(
+            f"cu_seq_lens_q {cu.tolist()} does not describe one packed row of {s} tokens "
+            f"(batch {b}): it must start at 0, increase, and end at {s}"
+        )
     if cu.numel() > 2 and doc is None:
-        given = "an attention_mask (positions are then only positions)" if masked else \
-            "position_ids that do not restart (or none)"
-        raise ValueError(f"cu_seq_lens_q describes {cu.numel() - 1} documents in packed row 0, but comes with {given}: "
-                         "flash attention would separate the documents and SDPA / eager would not. Pass the "
-                         "restarting position_ids that go with them (as DataCollatorWithFlattening does) and no "
-                         "attention_mask, or leave out cu_seq_lens_q")
+        given = (
+            "an attention_mask (positions are then only positions)"
+            if masked
+            else "position_ids that do not restart (or none)"
+        )
+        raise ValueError(
+            f"cu_seq_lens_q describes {cu.numel() - 1} documents in packed row 0, but comes with {given}: "
+            "flash attention would separate the documents and SDPA / eager would not. Pass the "
+            "restarting position_ids that go with them (as DataCollatorWithFlattening does) and no "
+            "attention_mask, or leave out cu_seq_lens_q"
+        )
     from_cu = torch.zeros(1, s, dtype=torch.long, device=cu.device)
     from_cu[0, cu[1:-1]] = 1
     from_cu = from_cu.cumsum(-1)  # [1, s] document index from 0
     if doc is not None and not torch.equal(from_cu.to(doc.device), doc):
-        raise ValueError("cu_seq_lens_q and position_ids describe different documents in packed row 0; pass either "
-                         "or make them agree")
+        raise ValueError(
+            "cu_seq_lens_q and position_ids describe different documents in packed row 0; pass either "
+            "or make them agree"
+        )
     return from_cu
 
 
@@ -102,8 +117,11 @@ WITH_CACHE = "packed rows with use_cache on"
 
 def packed_kind(rows: int, flash_kwargs: bool) -> str:
     """The kind of a packed batch, as the patch-time probe tells them apart (models/proof/packed_probe.py)."""
-    return "several packed rows" if rows > 1 else \
-        ("one packed row with flash-attention kwargs" if flash_kwargs else "one packed row")
+    return (
+        "several packed rows"
+        if rows > 1
+        else ("one packed row with flash-attention kwargs" if flash_kwargs else "one packed row")
+    )
 
 
 def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool, use_cache: bool) -> None:
@@ -115,17 +133,21 @@ def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool, use_cach
         return
     if use_cache and why == refused.get(WITH_CACHE):
         row, col = (int(i) for i in (torch.diff(doc, dim=-1) != 0).nonzero()[0])
-        raise ValueError(f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its "
-                         "position_ids restart, and no attention_mask is given) and use_cache is on (the "
-                         "model's config.use_cache, or the keyword). Sequence parallelism keeps documents apart, "
-                         "as the unpatched model does only without a cache: pass use_cache=False (the Trainer and "
-                         "TRL do), or set model.config.use_cache = False for training")
+        raise ValueError(
+            f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its "
+            "position_ids restart, and no attention_mask is given) and use_cache is on (the "
+            "model's config.use_cache, or the keyword). Sequence parallelism keeps documents apart, "
+            "as the unpatched model does only without a cache: pass use_cache=False (the Trainer and "
+            "TRL do), or set model.config.use_cache = False for training"
+        )
     row, col = (int(i) for i in (torch.diff(doc, dim=-1) != 0).nonzero()[0])
-    raise ValueError(f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its position_ids "
-                     "restart, and no attention_mask is given). Sequence parallelism keeps documents apart, so it "
-                     "cannot reproduce that. Pass one document per row (padded, with an attention_mask), or pass "
-                     "attention_mask=torch.ones_like(input_ids) to train as the unpatched model does, across "
-                     "documents (the position_ids then stay positions)")
+    raise ValueError(
+        f"seqpar_hf: {why}; here row {row} starts a new document at token {col + 1} (its position_ids "
+        "restart, and no attention_mask is given). Sequence parallelism keeps documents apart, so it "
+        "cannot reproduce that. Pass one document per row (padded, with an attention_mask), or pass "
+        "attention_mask=torch.ones_like(input_ids) to train as the unpatched model does, across "
+        "documents (the position_ids then stay positions)"
+    )
 
 
 def _meta(plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None, b: int, device) -> SeqMeta:
@@ -156,9 +178,16 @@ def _tokens(plan: ShardPlan, kw: dict, ids_key: str, embeds_key: str, pad_id: in
         kw[embeds_key] = plan.pad_and_shard(kw[embeds_key], 0.0)
 
 
-def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
-                 keep_ids: bool = False, default_positions: str = "arange",
-                 packed: dict | None = None, use_cache: bool = False) -> ForwardContext:
+def shard_causal(
+    layout: ParallelLayout,
+    kw: dict,
+    pad_id: int,
+    local_outputs: bool,
+    keep_ids: bool = False,
+    default_positions: str = "arange",
+    packed: dict | None = None,
+    use_cache: bool = False,
+) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
     `default_positions`: the rule the backbone makes its own positions by when given none
     (models/forward/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
@@ -167,12 +196,17 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     (which decides how the unpatched model treats packed rows)."""
     b, s, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
     if layout.sizes.tp_size > 1 and kw.get("inputs_embeds") is not None:
-        raise NotImplementedError("inputs_embeds with tensor parallelism: the vocabulary-parallel embedding is what "
-                                  "splits the sequence over the TP group; pass input_ids (or use tp_size=1)")
+        raise NotImplementedError(
+            "inputs_embeds with tensor parallelism: the vocabulary-parallel embedding is what "
+            "splits the sequence over the TP group; pass input_ids (or use tp_size=1)"
+        )
     mask = _mask(kw.get("attention_mask"), "attention_mask")
     position_ids = kw.get("position_ids")
-    own = None if position_ids is not None else default_positions_of(default_positions, kw.get("input_ids"), mask,
-                                                                     b, s, pad_id, device)
+    own = (
+        None
+        if position_ids is not None
+        else default_positions_of(default_positions, kw.get("input_ids"), mask, b, s, pad_id, device)
+    )
     flash_kwargs = any(kw.get(name) is not None for name in FLASH_KWARGS[:4])
     cu = kw.pop("cu_seq_lens_q", None)
     for name in FLASH_KWARGS[1:]:
@@ -191,8 +225,11 @@ def shard_causal(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: b
     meta = _meta(plan, mask, doc, b, device)
     # a 2D mask keeps transformers from re-detecting packing on the local positions; our attention
     # takes its masks from the context
-    kw["attention_mask"] = plan.shard(meta.valid) if meta.valid is not None else torch.ones(
-        b, plan.local_length, dtype=torch.bool, device=device)
+    kw["attention_mask"] = (
+        plan.shard(meta.valid)
+        if meta.valid is not None
+        else torch.ones(b, plan.local_length, dtype=torch.bool, device=device)
+    )
     kw["position_ids"] = local_pos
     return ForwardContext(layout, {"decoder": meta}, {"decoder": local_pos}, {"decoder": full_pos}, local_outputs, ids)
 
@@ -201,32 +238,45 @@ def _pair_documents(src_pos, tgt_pos, src_valid, tgt_valid):
     """Documents of packed seq2seq rows from restarting positions on both sides; pads belong to none."""
     src_doc = documents_from_positions(src_pos, "position_ids", always=True)
     tgt_doc = documents_from_positions(tgt_pos, "decoder_position_ids", always=True)
-    count = lambda doc, valid: (doc.masked_fill(~valid, -1).max(-1).values + 1) if valid is not None \
-        else doc[:, -1] + 1  # noqa: E731
+    count = lambda doc, valid: (doc.masked_fill(~valid, -1).max(-1).values + 1) if valid is not None else doc[:, -1] + 1
     n_src, n_tgt = count(src_doc, src_valid), count(tgt_doc, tgt_valid)
     if not torch.equal(n_src, n_tgt):
         row = int((n_src != n_tgt).nonzero()[0])
-        raise ValueError(f"packed row {row}: {int(n_src[row])} source documents but {int(n_tgt[row])} target "
-                         "documents; the k-th target document translates the k-th source document")
+        raise ValueError(
+            f"packed row {row}: {int(n_src[row])} source documents but {int(n_tgt[row])} target "
+            "documents; the k-th target document translates the k-th source document"
+        )
     return src_doc, tgt_doc
 
 
-def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: bool,
-                  keep_ids: bool = False, default_positions: str = "arange",
-                  packed: dict | None = None, use_cache: bool = False) -> ForwardContext:
+def shard_seq2seq(
+    layout: ParallelLayout,
+    kw: dict,
+    pad_id: int,
+    local_outputs: bool,
+    keep_ids: bool = False,
+    default_positions: str = "arange",
+    packed: dict | None = None,
+    use_cache: bool = False,
+) -> ForwardContext:
     """Shard an encoder-decoder backbone's inputs in place; return the forward's context (its position
     modules get their positions from hooks, models/forward/positions.py: `default_positions` does not apply;
     nor does `packed`: packed seq2seq rows follow seqpar_hf's own convention, above)."""
     b, s_src, device = _size(kw.get("input_ids"), kw.get("inputs_embeds"), "input_ids or inputs_embeds")
-    _, s_tgt, _ = _size(kw.get("decoder_input_ids"), kw.get("decoder_inputs_embeds"),
-                        "labels, decoder_input_ids or decoder_inputs_embeds")
+    _, s_tgt, _ = _size(
+        kw.get("decoder_input_ids"),
+        kw.get("decoder_inputs_embeds"),
+        "labels, decoder_input_ids or decoder_inputs_embeds",
+    )
     src_mask = _mask(kw.get("attention_mask"), "attention_mask")
     tgt_mask = _mask(kw.get("decoder_attention_mask"), "decoder_attention_mask")
     src_pos, tgt_pos = kw.pop("position_ids", None), kw.pop("decoder_position_ids", None)
     src_doc = tgt_doc = None
     if (src_pos is None) != (tgt_pos is None):
-        raise ValueError("packed encoder-decoder rows need both position_ids (source) and decoder_position_ids "
-                         "(target), restarting at 0 for every pair")
+        raise ValueError(
+            "packed encoder-decoder rows need both position_ids (source) and decoder_position_ids "
+            "(target), restarting at 0 for every pair"
+        )
     if src_pos is not None:
         src_doc, tgt_doc = _pair_documents(src_pos.expand(b, -1), tgt_pos.expand(b, -1), src_mask, tgt_mask)
     src, tgt = shard_plan(layout, s_src, causal=False), shard_plan(layout, s_tgt, causal=True)
@@ -234,17 +284,24 @@ def shard_seq2seq(layout: ParallelLayout, kw: dict, pad_id: int, local_outputs: 
     tgt_full, tgt_local = _positions(tgt, tgt_pos, device)
     ids = {}
     if keep_ids:
-        ids = {side: plan.pad(kw[key], pad_id) for side, plan, key in (("encoder", src, "input_ids"),
-                                                                       ("decoder", tgt, "decoder_input_ids"))
-                 if kw.get(key) is not None}
+        ids = {
+            side: plan.pad(kw[key], pad_id)
+            for side, plan, key in (("encoder", src, "input_ids"), ("decoder", tgt, "decoder_input_ids"))
+            if kw.get(key) is not None
+        }
     _tokens(src, kw, "input_ids", "inputs_embeds", pad_id)
     _tokens(tgt, kw, "decoder_input_ids", "decoder_inputs_embeds", pad_id)
     src_meta, tgt_meta = _meta(src, src_mask, src_doc, b, device), _meta(tgt, tgt_mask, tgt_doc, b, device)
     for key, plan, meta in (("attention_mask", src, src_meta), ("decoder_attention_mask", tgt, tgt_meta)):
         kw[key] = plan.shard(meta.valid) if meta.valid is not None else None
-    return ForwardContext(layout, {"encoder": src_meta, "decoder": tgt_meta},
-                          {"encoder": src_local, "decoder": tgt_local}, {"encoder": src_full, "decoder": tgt_full},
-                          local_outputs, ids)
+    return ForwardContext(
+        layout,
+        {"encoder": src_meta, "decoder": tgt_meta},
+        {"encoder": src_local, "decoder": tgt_local},
+        {"encoder": src_full, "decoder": tgt_full},
+        local_outputs,
+        ids,
+    )
 
 
 def shard_source(layout: ParallelLayout, kw: dict, pad_id: int, keep_ids: bool = False) -> ForwardContext:

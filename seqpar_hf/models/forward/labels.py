@@ -40,8 +40,10 @@ def decoder_inputs(model, labels: torch.Tensor, decoder_position_ids=None) -> to
     if prepare is not None:
         return _per_pair(prepare, labels, decoder_position_ids.expand_as(labels))
     if start is None:
-        raise ValueError(f"{type(model).__name__} has no decoder_start_token_id: pass decoder_input_ids with packed "
-                         "rows (each pair's target starting with its start token)")
+        raise ValueError(
+            f"{type(model).__name__} has no decoder_start_token_id: pass decoder_input_ids with packed "
+            "rows (each pair's target starting with its start token)"
+        )
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     ids = labels.new_full(labels.shape, start)
     ids[:, 1:] = labels[:, :-1]

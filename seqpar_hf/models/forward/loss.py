@@ -13,7 +13,7 @@ chunk's, and backward recomputes each chunk's logits.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,13 +53,23 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: 
     """Sum of this rank's token losses (logits [..., V], labels [...], -100 ignored), in fp32.
     `label_smoothing` matches transformers' LabelSmoother: (1 - eps) * nll + eps * mean over the
     vocabulary of -log p."""
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten().to(logits.device),
-                           ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
+    return F.cross_entropy(
+        logits.float().flatten(0, -2),
+        labels.flatten().to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
 
 
-def tiled_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-                         vocab_size: int, label_smoothing: float = 0.0,
-                         chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+def tiled_token_loss_sum(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    label_smoothing: float = 0.0,
+    chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """`token_loss_sum(head(hidden), labels)` without the [tokens, vocab] logits: hidden [..., d] is the
     LM head's input, `head` maps [n, d] -> [n, V] logits (the model's head and what follows it)."""
     hidden = hidden.flatten(0, -2)
@@ -69,9 +79,16 @@ def tiled_token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Calla
     total = None
     # at least one (maybe empty) chunk: the head's weights join the graph even with no labelled token
     for start in range(0, max(1, hidden.shape[0]), chunk):
-        piece = checkpoint(_chunk_loss, hidden[start:start + chunk], targets[start:start + chunk], head,
-                           label_smoothing, use_reentrant=False)
+        piece = checkpoint(
+            _chunk_loss,
+            hidden[start : start + chunk],
+            targets[start : start + chunk],
+            head,
+            label_smoothing,
+            use_reentrant=False,
+        )
         total = piece if total is None else total + piece
+    assert total is not None  # the loop above runs at least once
     return total
 
 
@@ -79,8 +96,13 @@ def _chunk_loss(hidden, targets, head, label_smoothing):
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum", label_smoothing=label_smoothing)
 
 
-def group_mean_loss(token_sum: torch.Tensor, labels: torch.Tensor, group, sp_size: int,
-                    num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def group_mean_loss(
+    token_sum: torch.Tensor,
+    labels: torch.Tensor,
+    group,
+    sp_size: int,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     """The group's mean loss from this rank's sum of token losses and its shard of the labels (see the
     scaling note above). `num_items_in_batch` replaces the label count as denominator (gradient
     accumulation and data parallelism count tokens over several batches)."""

@@ -34,7 +34,7 @@ class RotaryHook:
         if "position_ids" in kwargs or len(args) <= self.position_index:
             kwargs["position_ids"] = full
         else:
-            args = (*args[:self.position_index], full, *args[self.position_index + 1:])
+            args = (*args[: self.position_index], full, *args[self.position_index + 1 :])
         return args, kwargs
 
     def post(self, module, args, kwargs, output):
@@ -76,7 +76,7 @@ class PositionIdsHook:
             elif positions.shape[0] == 1:
                 positions = positions[0]
             if positional:
-                args = (*args[:i], positions, *args[i + 1:])
+                args = (*args[:i], positions, *args[i + 1 :])
             else:
                 kwargs["position_ids"] = positions
         return args, kwargs
@@ -110,8 +110,9 @@ class M2M100PositionsHook:
             count = torch.cumsum(real, dim=1)  # [b, S_pad]
             if meta.doc is not None:  # subtract the count before each document's first token
                 doc = meta.doc.clamp(min=0)
-                before = torch.full((doc.shape[0], doc.shape[1] + 1), doc.shape[1], dtype=count.dtype,
-                                    device=count.device).scatter_reduce(1, doc, count - real.long(), "amin")
+                before = torch.full(
+                    (doc.shape[0], doc.shape[1] + 1), doc.shape[1], dtype=count.dtype, device=count.device
+                ).scatter_reduce(1, doc, count - real.long(), "amin")
                 count = count - before.gather(1, doc)
             positions = count * real + pad
         local = plan.shard(positions.expand(output.shape[0], -1), 1)  # [b, s_loc]
@@ -124,6 +125,7 @@ class M2M100PositionsHook:
 def install(state, family, pad_id: int) -> list:
     """Register the hooks of every position module; returns the handles (deep-copyable)."""
     handles = []
+    hook: RotaryHook | PositionIdsHook | M2M100PositionsHook
     for pos in family.positions:
         module = pos.module
         if pos.kind == "rotary":

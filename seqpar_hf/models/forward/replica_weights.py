@@ -45,7 +45,7 @@ def _sample(x: torch.Tensor) -> torch.Tensor | None:
 def _sum(samples: list[torch.Tensor], device) -> torch.Tensor:
     """Exact, order-sensitive int64 sum of the samples' bits (each element weighted by its position)."""
     total = torch.zeros((), dtype=torch.long, device=device)
-    by_dtype = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for s in samples:
         by_dtype.setdefault(s.dtype, []).append(s)
     for i, dtype in enumerate(sorted(by_dtype, key=str)):
@@ -59,13 +59,16 @@ def checksums(model: torch.nn.Module, device) -> list:
     """[replicated, sharded, shard key, parameters]: the checksums (int64 device scalars) of the parameters
     every rank of the replica holds whole and of this rank's DTensor shards, the key of the shards it holds
     (ranks with the same key hold the same ones), the number of parameters."""
-    replicated, sharded, coordinates, count = [], [], [], 0
+    replicated: list[torch.Tensor | None] = []
+    sharded: list[torch.Tensor | None] = []
+    coordinates: list[tuple[int, ...]] = []
+    count = 0
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             count += 1
             if isinstance(p, DTensor):
                 split = [d for d, placement in enumerate(p.placements) if not placement.is_replicate()]
-                coordinate = p.device_mesh.get_coordinate() or []
+                coordinate = p.device_mesh.get_coordinate() or ()
                 local = p.to_local()
                 if split:
                     coordinates.append((i, *(coordinate[d] for d in split)))
@@ -73,33 +76,44 @@ def checksums(model: torch.nn.Module, device) -> list:
             else:
                 replicated.append(_sample(p))
     key = zlib.crc32(repr(coordinates).encode()) if coordinates else 0
-    return [_sum([s for s in replicated if s is not None], device), _sum([s for s in sharded if s is not None], device),
-            key, count]
+    return [
+        _sum([s for s in replicated if s is not None], device),
+        _sum([s for s in sharded if s is not None], device),
+        key,
+        count,
+    ]
 
 
 def problems(per_rank: list[list[int]]) -> list[str]:
     """What differs among the ranks' `checksums` (read back), as `checks.batch_problems` lists it."""
     out = []
     if len({r[3] for r in per_rank}) > 1:
-        out.append("the number of parameters differs: " + ", ".join(
-            f"rank {k}: {r[3]}" for k, r in enumerate(per_rank)))
+        out.append(
+            "the number of parameters differs: " + ", ".join(f"rank {k}: {r[3]}" for k, r in enumerate(per_rank))
+        )
     elif len({r[0] for r in per_rank}) > 1:
-        out.append("a checksum of every parameter differs: " + ", ".join(
-            f"rank {k}: {r[0] & 0xFFFFFFFF:08x}" for k, r in enumerate(per_rank)))
+        out.append(
+            "a checksum of every parameter differs: "
+            + ", ".join(f"rank {k}: {r[0] & 0xFFFFFFFF:08x}" for k, r in enumerate(per_rank))
+        )
     else:
-        shards = {}
+        shards: dict[int, list[tuple[int, int]]] = {}
         for k, r in enumerate(per_rank):
             shards.setdefault(r[2], []).append((k, r[1]))
         for ranks in shards.values():
             if len({c for _, c in ranks}) > 1:
-                out.append("a checksum of the sharded parameters differs among ranks holding the same shards: "
-                           + ", ".join(f"rank {k}: {c & 0xFFFFFFFF:08x}" for k, c in ranks))
+                out.append(
+                    "a checksum of the sharded parameters differs among ranks holding the same shards: "
+                    + ", ".join(f"rank {k}: {c & 0xFFFFFFFF:08x}" for k, c in ranks)
+                )
     return out
 
 
-ADVICE = ("Likely causes: a trainer that is not sequence-parallel aware (the plain transformers Trainer, or a "
-          "training loop without DDP over the replica's ranks): each rank then steps on its own shard's gradient; "
-          "train with seqpar_hf.SequenceParallelTrainer (or SequenceParallelMixin on your Trainer subclass, or the TRL "
-          "trainers in seqpar_hf.training.trl). Or optimizer settings (learning rate, weight decay, schedule, "
-          "clipping) that differ per rank; or weights built or loaded differently on some rank (another seed, another "
-          "checkpoint).")
+ADVICE = (
+    "Likely causes: a trainer that is not sequence-parallel aware (the plain transformers Trainer, or a "
+    "training loop without DDP over the replica's ranks): each rank then steps on its own shard's gradient; "
+    "train with seqpar_hf.SequenceParallelTrainer (or SequenceParallelMixin on your Trainer subclass, or the TRL "
+    "trainers in seqpar_hf.training.trl). Or optimizer settings (learning rate, weight decay, schedule, "
+    "clipping) that differ per rank; or weights built or loaded differently on some rank (another seed, another "
+    "checkpoint)."
+)

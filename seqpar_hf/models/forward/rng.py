@@ -11,6 +11,7 @@ and the model's own LayerDrop is switched off for the duration of the forward.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ class _SkippableForward:
     """A layer's forward that returns its input when this forward's LayerDrop decision drops it. An
     object, not a closure, so `copy.deepcopy` of the model rebinds it to the copied layer."""
 
-    def __init__(self, sync: "LayerDropSync", key: tuple[int, int], forward):
+    def __init__(self, sync: LayerDropSync, key: tuple[int, int], forward):
         self.sync, self.key, self.forward = sync, key, forward
         self.__wrapped__ = forward
 
@@ -48,7 +49,8 @@ class LayerDropSync:
     every rank of the group draws identically; reversible with `remove()`."""
 
     def __init__(self, stacks: list[nn.Module]):
-        self.stacks = [s for s in stacks if hasattr(s, "layerdrop")]
+        # Any: nn.Module types neither `layerdrop` nor `layers` (a ModuleList)
+        self.stacks: list[Any] = [s for s in stacks if hasattr(s, "layerdrop")]
         self.skip: dict[tuple[int, int], bool] = {}
         self._wrapped: list[tuple[nn.Module, object]] = []  # (layer, its previous instance forward or None)
         for i, stack in enumerate(self.stacks):

@@ -15,13 +15,33 @@ from .context import CONTEXT_KWARG, ForwardContext
 _SITE = "_seqpar_site"  # on each patched attention module
 HONOURED = ("dropout", "scaling")
 SUPERSEDED = ("is_causal", "sliding_window")  # the pattern proven at patch time decides
-CARRIED = ("position_ids", "cache_position", "output_attentions", "output_hidden_states", "use_cache", "return_dict",
-           "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "layer_idx", "past_key_values",
-           "past_key_value", "cache", "labels", CONTEXT_KWARG)  # labels: only the dry run passes them this far
-WHY = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks",
-       "position_bias": "an additive bias over the whole query-key matrix",
-       "indices": "a sparse selection of keys made over the whole sequence",
-       "block_indices": "a sparse selection of key blocks made over the whole sequence"}
+CARRIED = (
+    "position_ids",
+    "cache_position",
+    "output_attentions",
+    "output_hidden_states",
+    "use_cache",
+    "return_dict",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "seq_idx",
+    "layer_idx",
+    "past_key_values",
+    "past_key_value",
+    "cache",
+    "labels",
+    CONTEXT_KWARG,
+)  # labels: only the dry run passes them this far
+WHY = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive bias over the whole query-key matrix",
+    "indices": "a sparse selection of keys made over the whole sequence",
+    "block_indices": "a sparse selection of key blocks made over the whole sequence",
+}
 
 
 def _neutral(value) -> bool:
@@ -77,6 +97,7 @@ def original_function(implementation: str | None):
     (attention over something other than the sequence): eager's math is SDPA's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     if implementation in (None, "eager", "sdpa") or implementation not in ALL_ATTENTION_FUNCTIONS:
         return sdpa_attention_forward
     return ALL_ATTENTION_FUNCTIONS[implementation]
@@ -101,7 +122,7 @@ def site_of(module) -> AttentionSite | None:
     return getattr(module, _SITE, None)
 
 
-def set_site(module, site: AttentionSite | None) -> None:
+def set_site(module, site: AttentionSite | LocalSite | None) -> None:
     if site is not None:
         setattr(module, _SITE, site)
     elif hasattr(module, _SITE):

@@ -40,8 +40,15 @@ class Request:
 
 
 class PatchState:
-    def __init__(self, layout: ParallelLayout, family: ModelFamily, attn_implementation: str, check_inputs: bool,
-                 tiled: TiledLoss, requested: ParallelLayout | None = None):
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        family: ModelFamily,
+        attn_implementation: str,
+        check_inputs: bool,
+        tiled: TiledLoss,
+        requested: ParallelLayout | None = None,
+    ):
         self.layout, self.family, self.attn_implementation = layout, family, attn_implementation
         # the layout patch_model was given: `layout` itself, or the mode="auto" layout `layout` was resolved from
         self.requested = requested if requested is not None else layout
@@ -62,7 +69,7 @@ class PatchState:
         self.decoding = None
         self.step = None
         self.detached = False  # set by unpatch_model: wrappers someone still holds become pass-through
-        self.hooks = []
+        self.hooks: list = []  # the position modules' hook handles (positions.install)
         self.replaced: list[tuple[object, str, bool, object]] = []  # (object, attribute, had one, previous value)
         self.layerdrop = LayerDropSync(family.layer_stacks)
 

@@ -17,6 +17,7 @@ and position, and the forward reads them back with the fingerprint (one host syn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,7 +123,8 @@ def _check_ids(name: str, x, what: str) -> None:
 
 
 def _check_sequence(kind: str, side: str, kw: dict, ids_key: str, embeds_key: str) -> tuple[int, int] | None:
-    ids, embeds = kw.get(ids_key), kw.get(embeds_key)
+    ids: Any = kw.get(ids_key)  # a tensor, or anything a caller passed: checked below
+    embeds: Any = kw.get(embeds_key)
     if ids is None and embeds is None:
         return None
     _check_ids(ids_key, ids, "length")
@@ -131,9 +133,11 @@ def _check_sequence(kind: str, side: str, kw: dict, ids_key: str, embeds_key: st
     x, name = (ids, ids_key) if ids is not None else (embeds, embeds_key)
     b, s = x.shape[0], x.shape[1]
     if b == 0 or s == 0:
-        raise RuntimeError(f"{name} of shape {_shape(x)} holds no token: every row needs at least one (an empty "
-                           f"{'source' if side == 'encoder' else 'sequence'} has nothing to attend to); drop empty "
-                           "batches and rows")
+        raise RuntimeError(
+            f"{name} of shape {_shape(x)} holds no token: every row needs at least one (an empty "
+            f"{'source' if side == 'encoder' else 'sequence'} has nothing to attend to); drop empty "
+            "batches and rows"
+        )
     _check_companions(kind, side, kw, name, _shape(x)[:2])
     return b, s
 
@@ -144,16 +148,20 @@ def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple) -
     first = "attention_mask" if side == ("encoder" if kind == "seq2seq" else "decoder") else "decoder_attention_mask"
     mask = kw.get(first)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and _shape(mask) != shape:
-        raise ValueError(f"{first} of shape {_shape(mask)} does not match {name} of shape {shape}: a padding mask "
-                         "holds one value per token (transformers would pad a shorter mask with zeros, masking the "
-                         "last tokens; seqpar_hf asks for the full mask)")
+        raise ValueError(
+            f"{first} of shape {_shape(mask)} does not match {name} of shape {shape}: a padding mask "
+            "holds one value per token (transformers would pad a shorter mask with zeros, masking the "
+            "last tokens; seqpar_hf asks for the full mask)"
+        )
     pos_key = "position_ids" if first == "attention_mask" else "decoder_position_ids"
     pos = kw.get(pos_key)
     if isinstance(pos, torch.Tensor):
         rows = pos.unsqueeze(0) if pos.dim() == 1 else pos
         if rows.dim() != 2 or rows.shape[1] != s or rows.shape[0] not in (1, b):
-            raise RuntimeError(f"{pos_key} of shape {_shape(pos)} does not match {name} of shape {shape}: "
-                               f"positions must be [batch or 1, {s}] (one per token)")
+            raise RuntimeError(
+                f"{pos_key} of shape {_shape(pos)} does not match {name} of shape {shape}: "
+                f"positions must be [batch or 1, {s}] (one per token)"
+            )
         if pos.dtype.is_floating_point:
             raise RuntimeError(f"{pos_key} must hold integer positions, got {pos.dtype}")
 
@@ -165,25 +173,31 @@ def check(family, kw: dict, labels, shift_labels, values: list[int]) -> None:
     src = _check_sequence(kind, "encoder" if kind == "seq2seq" else "decoder", kw, "input_ids", "inputs_embeds")
     if src is None:
         raise ValueError("the patched forward needs input_ids or inputs_embeds")
-    dec = _check_sequence(kind, "decoder", kw, "decoder_input_ids", "decoder_inputs_embeds") \
-        if kind == "seq2seq" else src
+    dec = (
+        _check_sequence(kind, "decoder", kw, "decoder_input_ids", "decoder_inputs_embeds") if kind == "seq2seq" else src
+    )
     for name, x in (("labels", labels), ("shift_labels", shift_labels)):
         if x is None:
             continue
         _check_ids(name, x, "length")
         if x.shape[1] == 0 and kind == "seq2seq" and dec is None:
-            raise IndexError(f"labels of shape {_shape(x)} hold no token: the decoder inputs built from them would be "
-                             "empty")
+            raise IndexError(
+                f"labels of shape {_shape(x)} hold no token: the decoder inputs built from them would be empty"
+            )
         if kind == "seq2seq" and dec is None:
             if x.shape[0] != src[0]:
-                raise RuntimeError(f"labels of shape {_shape(x)} and input_ids of shape {src}: the decoder inputs "
-                                   "built from the labels must have the source's batch size")
+                raise RuntimeError(
+                    f"labels of shape {_shape(x)} and input_ids of shape {src}: the decoder inputs "
+                    "built from the labels must have the source's batch size"
+                )
             _check_companions(kind, "decoder", kw, name, _shape(x))  # the decoder inputs will have its shape
             continue
         if _shape(x) != dec:
             what = "input_ids" if kind == "causal" else "decoder_input_ids"
-            raise ValueError(f"{name} of shape {_shape(x)} do not match {what} of shape {dec}: the loss takes one "
-                             f"label per token{' (the model shifts labels itself)' if name == 'labels' else ''}")
+            raise ValueError(
+                f"{name} of shape {_shape(x)} do not match {what} of shape {dec}: the loss takes one "
+                f"label per token{' (the model shifts labels itself)' if name == 'labels' else ''}"
+            )
     if kind == "seq2seq" and dec is not None and dec[0] != src[0]:
         raise RuntimeError(f"decoder inputs of batch {dec[0]} for a source of batch {src[0]}: one target per source")
     _check_values(family, kw, labels, values, src, dec)
@@ -200,21 +214,40 @@ def _check_values(family, kw, labels, values, src, dec) -> None:
     for name, side in (("input_ids", "encoder" if seq2seq else "decoder"), ("decoder_input_ids", "decoder")):
         low, high = found[name]
         if low != _BIG and side in lim.vocab and (low < 0 or high >= lim.vocab[side][0]):
-            raise IndexError(f"{name} holds ids from {low} to {high}, but {lim.vocab[side][1]}: every id must be in "
-                             f"[0, {lim.vocab[side][0]})")
+            raise IndexError(
+                f"{name} holds ids from {low} to {high}, but {lim.vocab[side][1]}: every id must be in "
+                f"[0, {lim.vocab[side][0]})"
+            )
     low, high = found["targets"]
     if low != _BIG and lim.labels is not None and (low < 0 or high >= lim.labels[0]):
         shifted = " (after the causal shift)" if not seq2seq else ""
-        raise IndexError(f"labels{shifted} hold values from {low} to {high}, but {lim.labels[1]}: every label must be "
-                         f"-100 (ignored) or in [0, {lim.labels[0]})")
-    if seq2seq and found["decoder_input_ids"][0] == _BIG and kw.get("decoder_inputs_embeds") is None and \
-            labels is not None and low != _BIG and "decoder" in lim.vocab and high >= lim.vocab["decoder"][0]:
-        raise IndexError(f"labels hold values up to {high}, but {lim.vocab['decoder'][1]} (the decoder inputs are "
-                         "built from the labels)")
+        raise IndexError(
+            f"labels{shifted} hold values from {low} to {high}, but {lim.labels[1]}: every label must be "
+            f"-100 (ignored) or in [0, {lim.labels[0]})"
+        )
+    if (
+        seq2seq
+        and found["decoder_input_ids"][0] == _BIG
+        and kw.get("decoder_inputs_embeds") is None
+        and labels is not None
+        and low != _BIG
+        and "decoder" in lim.vocab
+        and high >= lim.vocab["decoder"][0]
+    ):
+        raise IndexError(
+            f"labels hold values up to {high}, but {lim.vocab['decoder'][1]} (the decoder inputs are "
+            "built from the labels)"
+        )
     sides = [("encoder" if seq2seq else "decoder", "position_ids", src[1], _name(kw, "input_ids", "inputs_embeds"))]
     if seq2seq:  # decoder inputs given, or built from the labels
-        sides.append(("decoder", "decoder_position_ids", dec[1] if dec else labels.shape[1] if labels is not None
-                      else None, _name(kw, "decoder_input_ids", "decoder_inputs_embeds") if dec else "labels"))
+        sides.append(
+            (
+                "decoder",
+                "decoder_position_ids",
+                dec[1] if dec else labels.shape[1] if labels is not None else None,
+                _name(kw, "decoder_input_ids", "decoder_inputs_embeds") if dec else "labels",
+            )
+        )
     for side, key, length, tensor in sides:
         if side not in lim.positions or length is None:
             continue
@@ -225,5 +258,7 @@ def _check_values(family, kw, labels, values, src, dec) -> None:
             what = f"{key} hold positions {low}..{high}"
         held, table = lim.positions[side]
         if low < 0 or high >= held:
-            raise IndexError(f"{what}, but {table}: the sequence is longer than the model's position table "
-                             "(max_position_embeddings); shorten or truncate it")
+            raise IndexError(
+                f"{what}, but {table}: the sequence is longer than the model's position table "
+                "(max_position_embeddings); shorten or truncate it"
+            )

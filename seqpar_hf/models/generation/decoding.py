@@ -58,10 +58,12 @@ class DecodeSession:
     """One `generate` call under SP: the sequence-sharded KV cache (decoder-only) or the source's shard
     plan (encoder-decoder), from which each decoding step's metadata is made."""
 
-    def __init__(self, layout: ParallelLayout, cache: SequenceShardedCache | None = None,
-                 source_plan: ShardPlan | None = None):
+    def __init__(
+        self, layout: ParallelLayout, cache: SequenceShardedCache | None = None, source_plan: ShardPlan | None = None
+    ):
         self.layout, self.cache, self.source_plan = layout, cache, source_plan
-        self._source = (None, None)  # (the full source mask it was made from, its local validity)
+        # (the full source mask it was made from, its local validity)
+        self._source: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def prefill_pending(self) -> bool:
         """A decoder-only model's next forward is the prompt's: run it sharded."""
@@ -71,9 +73,11 @@ class DecodeSession:
         meta, plan = ctx.seqs["decoder"], ctx.plan("decoder")
         device = ctx.positions["decoder"].device
         valid = plan.shard(meta.valid) if meta.valid is not None else None  # [b, S_pad] -> [b, s_loc]
+        assert self.cache is not None  # a decoder-only session (prefill_pending)
         self.cache.begin_prefill(plan.global_index(device=device), valid, plan.length)
 
     def end_prefill(self) -> None:
+        assert self.cache is not None  # a decoder-only session (prefill_pending)
         self.cache.end_prefill()
 
     def step(self, kwargs: dict) -> DecodeStep:
@@ -89,6 +93,7 @@ class DecodeSession:
         if mask is self._source[0] and self._source[0] is not None:
             return self._source[1]
         plan = self.source_plan
+        assert plan is not None  # an encoder-decoder session (step)
         if mask is None:
             if plan.padded == plan.length:
                 return None
@@ -103,8 +108,21 @@ def deferred_mask(*args, **kwargs) -> DeferredMask:
     return DeferredMask(args, kwargs)
 
 
-def attend(site, module, query, key, value, attention_mask, step: DecodeStep, dropout, scaling, is_causal,
-           sliding_window, window, kwargs):
+def attend(
+    site,
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    step: DecodeStep,
+    dropout,
+    scaling,
+    is_causal,
+    sliding_window,
+    window,
+    kwargs,
+):
     """A decoding step's attention at `site`: query [b, h, s_q, d] (replicated), key/value what the module
     took from its cache -> ([b, s_q, h, d], None), as transformers' attention functions return. The
     replicated original attention gets the call's own `is_causal` / `sliding_window`; the cache shard the

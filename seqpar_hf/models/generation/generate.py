@@ -37,9 +37,19 @@ from .generation_check import check_same_generation
 from .sharded_cache import SequenceShardedCache
 
 # generate's own parameters besides the model and generation-config keywords
-_GENERATE_ARGUMENTS = ("inputs", "generation_config", "logits_processor", "stopping_criteria",
-                       "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
-                       "negative_prompt_attention_mask", "custom_generate")
+_GENERATE_ARGUMENTS = (
+    "inputs",
+    "generation_config",
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+)
 _MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
 _FIX = "; generate without SP (`with seqpar_hf.sp_disabled(model):`, each rank its own inputs) if you need it"
 
@@ -63,7 +73,8 @@ class GenerateSP(Wrapper):
                 f"generate on a tensor-parallel model (tp_size={state.layout.sizes.tp_size}): its weights are "
                 "sharded over the TP ranks and its norms along the sequence, which one decoding step (one token) "
                 "cannot be. Generate with a plain copy holding the full weights "
-                "(seqpar_hf.training.generation.plain_copy(model), what SequenceParallelTrainer does)")
+                "(seqpar_hf.training.generation.plain_copy(model), what SequenceParallelTrainer does)"
+            )
         if state.plain_depth or not state.layout.enabled:
             with state.without_sp():
                 return self.original(*args, **kwargs)
@@ -78,12 +89,16 @@ def generate(state: PatchState, original, kwargs: dict):
     device = next(model.parameters()).device
     if kwargs.get("inputs") is not None and kwargs.get("input_ids") is None:
         kwargs["input_ids"] = kwargs.pop("inputs")
-    error, config, settings = None, None, {}
+    error: Exception | None = None
+    config, settings = None, {}
     try:
         config, _ = _compat.prepare_generation_config(
-            model, kwargs.get("generation_config"), {k: v for k, v in kwargs.items() if k not in _GENERATE_ARGUMENTS})
-        settings = {**{f"generation_config.{k}": v for k, v in config.to_dict().items()},
-                    **{k: v for k, v in kwargs.items() if k != "generation_config" and not isinstance(v, torch.Tensor)}}
+            model, kwargs.get("generation_config"), {k: v for k, v in kwargs.items() if k not in _GENERATE_ARGUMENTS}
+        )
+        settings = {
+            **{f"generation_config.{k}": v for k, v in config.to_dict().items()},
+            **{k: v for k, v in kwargs.items() if k != "generation_config" and not isinstance(v, torch.Tensor)},
+        }
         reason = refusal(state, kwargs, config)
         if reason is not None:
             error = NotImplementedError(f"generate under sequence parallelism: {reason}{_FIX}")
@@ -94,10 +109,19 @@ def generate(state: PatchState, original, kwargs: dict):
     rng = _rng_state(device) if config is not None and config.do_sample else None
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     if state.check_inputs:  # patch_model(..., check_inputs=False) turns it off, as for forwards
-        check_same_generation(state, tensors, settings, rng, None if error is None else str(error), model.training,
-                              layout.sp_group, device)
+        check_same_generation(
+            state,
+            tensors,
+            settings,
+            rng,
+            None if error is None else str(error),
+            model.training,
+            layout.sp_group,
+            device,
+        )
     if error is not None:
         raise error
+    assert config is not None  # made above, or an error was raised
     session = DecodeSession(layout)
     call = dict(kwargs)
     with state.generating(session):
@@ -117,36 +141,59 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
     mode = config.get_generation_mode(kwargs.get("assistant_model"))
     mode = getattr(mode, "value", mode)
     checks = [
-        (getattr(model, "main_input_name", "input_ids") != "input_ids",
-         f"{type(model).__name__} generates from {model.main_input_name!r}; only token ids are sharded"),
-        (kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None,
-         "inputs_embeds are not supported; pass input_ids"),
+        (
+            getattr(model, "main_input_name", "input_ids") != "input_ids",
+            f"{type(model).__name__} generates from {model.main_input_name!r}; only token ids are sharded",
+        ),
+        (
+            kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None,
+            "inputs_embeds are not supported; pass input_ids",
+        ),
         (kwargs.get("input_ids") is None, "pass the prompt (or source) as input_ids"),
-        (model.training, "the model is in training mode (dropout would draw different masks on the ranks); call "
-                         "model.eval() first"),
-        (mode not in _MODES or config.dola_layers is not None,
-         f"generation mode {mode!r} (assisted decoding, prompt lookup, contrastive search, DoLa, group or "
-         f"constrained beam search) is not supported; greedy, sampling and beam search are"),
+        (
+            model.training,
+            "the model is in training mode (dropout would draw different masks on the ranks); call model.eval() first",
+        ),
+        (
+            mode not in _MODES or config.dola_layers is not None,
+            f"generation mode {mode!r} (assisted decoding, prompt lookup, contrastive search, DoLa, group or "
+            f"constrained beam search) is not supported; greedy, sampling and beam search are",
+        ),
         (kwargs.get("custom_generate") is not None, "custom_generate is not supported"),
-        (config.cache_implementation not in (None, "dynamic"),
-         f"cache_implementation={config.cache_implementation!r} (static, offloaded, quantized or compiled caches) is "
-         "not supported; the KV cache is sharded along the sequence by seqpar_hf"),
-        (any(kwargs.get(k) is not None for k in ("cache", "past_key_values")),
-         "a cache passed to generate is not supported (the cache is made sequence-sharded here)"),
+        (
+            config.cache_implementation not in (None, "dynamic"),
+            f"cache_implementation={config.cache_implementation!r} (static, offloaded, quantized or compiled caches) "
+            "is not supported; the KV cache is sharded along the sequence by seqpar_hf",
+        ),
+        (
+            any(kwargs.get(k) is not None for k in ("cache", "past_key_values")),
+            "a cache passed to generate is not supported (the cache is made sequence-sharded here)",
+        ),
         (config.use_cache is False, "use_cache=False is not supported (decoding steps read the sharded cache)"),
         (bool(config.output_attentions), "output_attentions is not available under sequence parallelism"),
-        (bool(config.output_hidden_states), "output_hidden_states is not supported (hidden states stay sharded; "
-                                            "the prompt's forward returns its last position only)"),
+        (
+            bool(config.output_hidden_states),
+            "output_hidden_states is not supported (hidden states stay sharded; "
+            "the prompt's forward returns its last position only)",
+        ),
         (config.prefill_chunk_size is not None, "prefill_chunk_size is not supported (the prompt is sharded instead)"),
         (bool(config.token_healing), "token_healing is not supported"),
-        (config.guidance_scale not in (None, 1) or kwargs.get("negative_prompt_ids") is not None,
-         "classifier-free guidance (guidance_scale, negative_prompt_ids) is not supported"),
-        (kwargs.get("position_ids") is not None or kwargs.get("decoder_position_ids") is not None,
-         "position_ids are not supported (packed prompts): pass left-padded rows with an attention_mask"),
-        (kwargs.get("encoder_outputs") is not None, "encoder_outputs are not supported (the encoder runs sharded "
-                                                    "here); pass input_ids"),
-        (isinstance(kwargs.get("attention_mask"), torch.Tensor) and kwargs["attention_mask"].dim() != 2,
-         "attention_mask must be 2D [batch, length]"),
+        (
+            config.guidance_scale not in (None, 1) or kwargs.get("negative_prompt_ids") is not None,
+            "classifier-free guidance (guidance_scale, negative_prompt_ids) is not supported",
+        ),
+        (
+            kwargs.get("position_ids") is not None or kwargs.get("decoder_position_ids") is not None,
+            "position_ids are not supported (packed prompts): pass left-padded rows with an attention_mask",
+        ),
+        (
+            kwargs.get("encoder_outputs") is not None,
+            "encoder_outputs are not supported (the encoder runs sharded here); pass input_ids",
+        ),
+        (
+            isinstance(kwargs.get("attention_mask"), torch.Tensor) and kwargs["attention_mask"].dim() != 2,
+            "attention_mask must be 2D [batch, length]",
+        ),
     ]
     return next((why for failed, why in checks if failed), None)
 

@@ -13,13 +13,26 @@ import enum
 import hashlib
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...parallel.comm import group_size
-from ..forward.checks import (EXTRA_ROWS, FIELDS, GENERATE, GENERATE_ROW, agree, batch_problems, call_values, checksum,
-                              exchange, fingerprint, forward_settings, weights_problems)
+from ..forward.checks import (
+    EXTRA_ROWS,
+    FIELDS,
+    GENERATE,
+    GENERATE_ROW,
+    agree,
+    batch_problems,
+    call_values,
+    checksum,
+    exchange,
+    fingerprint,
+    forward_settings,
+    weights_problems,
+)
 
 
 def _hash(text: str) -> int:
@@ -54,14 +67,25 @@ def settings_text(settings: dict) -> str:
     return json.dumps(_canonical(settings), sort_keys=True)
 
 
-def check_same_generation(state, inputs: dict, settings: dict, rng_state: torch.Tensor | None, refusal: str | None,
-                          training: bool, group, device) -> None:
+def check_same_generation(
+    state,
+    inputs: dict,
+    settings: dict,
+    rng_state: torch.Tensor | None,
+    refusal: str | None,
+    training: bool,
+    group,
+    device,
+) -> None:
     """Raise on every rank of `group` if their `generate` calls (or weights) differ, or if a rank is in a forward
     instead (one all-gather)."""
     others = sorted((k, v) for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in FIELDS)
-    extra = [_hash(settings_text(settings)),
-             _hash(repr([(k, str(v.dtype), tuple(v.shape), int(checksum(v))) for k, v in others])),
-             0 if rng_state is None else int(checksum(rng_state)), int(refusal is not None)]
+    extra = [
+        _hash(settings_text(settings)),
+        _hash(repr([(k, str(v.dtype), tuple(v.shape), int(checksum(v))) for k, v in others])),
+        0 if rng_state is None else int(checksum(rng_state)),
+        int(refusal is not None),
+    ]
     call = call_values(GENERATE, state.family.pretrained, device, extra)
     rows = fingerprint(inputs, forward_settings(state, training, {}), device, call)  # what a forward sends
     mine = torch.cat([rows, rows.new_zeros(EXTRA_ROWS, rows.shape[1])])  # [COMPARED + EXTRA_ROWS, slots]
@@ -75,16 +99,26 @@ def check_same_generation(state, inputs: dict, settings: dict, rng_state: torch.
     if len({r[3] for r in last}) > 1:
         problems.append(f"refused on ranks {[k for k, r in enumerate(last) if r[3]]} only ({refusal or 'not here'})")
     elif len({r[0] for r in last}) > 1:  # every rank is here: name the settings that differ
-        every = [None] * group_size(group)
+        every: list[Any] = [None] * group_size(group)
         dist.all_gather_object(every, json.loads(settings_text(settings)), group=group)
         keys = sorted(k for k in set().union(*every) if len({json.dumps(e.get(k), sort_keys=True) for e in every}) > 1)
-        problems.append("generation settings differ: " + ", ".join(
-            f"{k} {[e.get(k) for e in every]}" for k in keys[:8]))
+        problems.append(
+            "generation settings differ: " + ", ".join(f"{k} {[e.get(k) for e in every]}" for k in keys[:8])
+        )
     if len({r[2] for r in last}) > 1:
-        problems.append("the random generators' states differ (sampling draws the same tokens on every rank only "
-                        "from the same state: torch.manual_seed(same seed) on every rank before generate)")
+        problems.append(
+            "the random generators' states differ (sampling draws the same tokens on every rank only "
+            "from the same state: torch.manual_seed(same seed) on every rank before generate)"
+        )
     weights = weights_problems(everyone)
-    batch = ("ranks of one sequence-parallel group called generate with different inputs or settings ("
-             + "; ".join(problems) + "). Every rank of an SP group must pass the same, full batch and the same "
-             "generation arguments; each returns the whole batch's tokens.") if problems else ""
+    batch = (
+        (
+            "ranks of one sequence-parallel group called generate with different inputs or settings ("
+            + "; ".join(problems)
+            + "). Every rank of an SP group must pass the same, full batch and the same "
+            "generation arguments; each returns the whole batch's tokens."
+        )
+        if problems
+        else ""
+    )
     raise (ValueError if problems else RuntimeError)(" ".join(m for m in (batch, weights) if m))

@@ -35,10 +35,11 @@ class ShardedLayer(CacheLayerMixin):
     def __init__(self, sp_size: int, sp_rank: int):
         super().__init__()
         self.sp_size, self.sp_rank = sp_size, sp_rank
-        self.index = self.valid = None
+        self.index: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
         self.seen = 0  # global tokens this layer has been given (prompt + generated)
-        self.query_index = None  # [s_q] global indices of the tokens of the last update (the step's queries)
-        self.window = None  # a sliding-window layer's size, as its attention call gives it
+        self.query_index: torch.Tensor | None = None  # [s_q] global indices of the last update's tokens (the queries)
+        self.window: int | None = None  # a sliding-window layer's size, as its attention call gives it
         self.steps = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -78,9 +79,11 @@ class ShardedLayer(CacheLayerMixin):
         """[b or 1, 1, s_q, n]: which local keys each of the last update's queries may see (causal, window,
         validity), built per layer and step without a host sync; None when all of them (one query sees every
         key before it: with no padding and no window, every key this rank holds)."""
-        if self.valid is None and self.window is None and self.query_index.numel() == 1:
+        query_index, index = self.query_index, self.index
+        assert query_index is not None and index is not None  # set by the prefill or update before attention
+        if self.valid is None and self.window is None and query_index.numel() == 1:
             return None
-        q, k = self.query_index[:, None], self.index[None, :]
+        q, k = query_index[:, None], index[None, :]
         mask = k <= q
         if self.window is not None:
             mask = mask & (q - k < self.window)
@@ -97,7 +100,8 @@ class ShardedLayer(CacheLayerMixin):
         """Drop the keys that no later query can see: a query at index >= seen sees only keys with index
         > seen - window. After the prefill (most of a long prompt falls out of the window), and every
         EVICT_EVERY steps (one copy of the shard) at the start of `update`."""
-        if self.window is None or self.keys is None:
+        # keys, values and index are set together (the prefill)
+        if self.window is None or self.keys is None or self.values is None or self.index is None:
             return
         keep = self.index > self.seen - self.window  # [n]
         if not bool(keep.all()):
@@ -129,13 +133,16 @@ class ShardedLayer(CacheLayerMixin):
             self._rows(torch.as_tensor(indices, device=self.keys.device))
 
     def _rows(self, rows: torch.Tensor) -> None:
+        assert self.keys is not None and self.values is not None  # the callers check keys; values come with them
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         if self.valid is not None:
             self.valid = self.valid.index_select(0, rows)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a sequence-sharded KV cache cannot be cropped (its last tokens live on several "
-                                  "ranks); assisted decoding is not supported under sequence parallelism")
+        raise NotImplementedError(
+            "a sequence-sharded KV cache cannot be cropped (its last tokens live on several "
+            "ranks); assisted decoding is not supported under sequence parallelism"
+        )
 
     def local_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
@@ -144,10 +151,13 @@ class ShardedLayer(CacheLayerMixin):
 class SequenceShardedCache(Cache):
     """This rank's shard of a decoder-only model's KV cache (see the module docstring)."""
 
+    layers: list[ShardedLayer]  # type: ignore[assignment]  # this cache makes every layer itself (update)
+
     def __init__(self, sp_size: int, sp_rank: int):
         super().__init__(layers=[])
         self.sp_size, self.sp_rank = sp_size, sp_rank
-        self._prompt = None  # (index [n], valid [b or 1, n] | None, length) while the prefill runs
+        # (index [n], valid [b or 1, n] | None, length) while the prefill runs
+        self._prompt: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
 
     def begin_prefill(self, index: torch.Tensor, valid: torch.Tensor | None, length: int) -> None:
         """The sharded prefill forward is about to run: its local tokens sit at these global indices."""
@@ -179,17 +189,19 @@ class SequenceShardedCache(Cache):
             own.set_window(window)
             return own
         shared = next((layer for layer in self.layers if layer.keys is key), None)
-        why = None
-        if shared is None:
-            why = "attends over keys that are no layer's cache shard as updated this step"
-        elif shared.window != (None if window is None else int(window)):
-            why = f"reads the cache of a layer with sliding window {shared.window}, with window {window}"
-        if why is not None:  # the same on every rank: the model's code decides it
-            raise NotImplementedError(
-                f"generate under sequence parallelism: attention layer {layer_idx} stores no K/V and {why}; the "
-                "sequence-sharded cache lets a layer attend over its own K/V or over another layer's with its "
-                "window. Generate without SP (`with seqpar_hf.sp_disabled(model):`)")
-        return shared
+        if shared is not None and shared.window == (None if window is None else int(window)):
+            return shared
+        why = (
+            "attends over keys that are no layer's cache shard as updated this step"
+            if shared is None
+            else f"reads the cache of a layer with sliding window {shared.window}, with window {window}"
+        )
+        # the same on every rank: the model's code decides it
+        raise NotImplementedError(
+            f"generate under sequence parallelism: attention layer {layer_idx} stores no K/V and {why}; the "
+            "sequence-sharded cache lets a layer attend over its own K/V or over another layer's with its "
+            "window. Generate without SP (`with seqpar_hf.sp_disabled(model):`)"
+        )
 
     def local_bytes(self) -> int:
         """Bytes of K/V this rank holds (the shard)."""

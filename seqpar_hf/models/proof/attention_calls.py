@@ -19,7 +19,7 @@ from .probe_checks import Refusal
 
 
 def _flash(original: str | None) -> bool:
-    return bool(original) and "flash" in original
+    return original is not None and "flash" in original
 
 
 def _flag(call: dict) -> bool:
@@ -42,10 +42,13 @@ def call_pattern(call: dict, original: str | None, valid: dict) -> tuple | None:
         pattern = call["pattern"]
         if pattern is not None and original in ("sdpa", None) and pattern[0] != _flag(call):
             # SDPA drops a mask it can replace by its own flag (no padding), and the flag says otherwise
-            raise Refusal(call["module"], f"says is_causal={_flag(call)} but is given a {describe(pattern)} mask: "
-                          "the unpatched model (SDPA) attends by the mask when the batch has padding and by the flag "
-                          "when it has none", "Make the module's is_causal agree with its mask (or load the model "
-                                              "with attn_implementation='eager')")
+            raise Refusal(
+                call["module"],
+                f"says is_causal={_flag(call)} but is given a {describe(pattern)} mask: "
+                "the unpatched model (SDPA) attends by the mask when the batch has padding and by the flag "
+                "when it has none",
+                "Make the module's is_causal agree with its mask (or load the model with attn_implementation='eager')",
+            )
         return pattern
     mask = call["mask"]
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a mask the model built itself: read the tensor
@@ -62,7 +65,7 @@ def site_records(calls: list[dict], original: str | None, valid: dict) -> dict:
     by_module: dict[str, list[dict]] = {}
     for call in calls:
         by_module.setdefault(call["module"], []).append(call)
-    out = {}
+    out: dict[str, str | tuple] = {}
     for name, group in by_module.items():
         local = [c["q_side"] is None for c in group]
         if all(local):
@@ -74,17 +77,24 @@ def site_records(calls: list[dict], original: str | None, valid: dict) -> dict:
         if bad:
             raise Refusal(name, keyword_why(bad))
         if any(c["kv_side"] is None for c in group):
-            raise Refusal(name, f"attends to keys that are not a sequence of the model (length {group[0]['k'][2]}: "
-                                "extra memory or sink tokens?)")
+            raise Refusal(
+                name,
+                f"attends to keys that are not a sequence of the model (length {group[0]['k'][2]}: "
+                "extra memory or sink tokens?)",
+            )
         records = {(c["q_side"], c["kv_side"], call_pattern(c, original, valid), c["q"][1], c["k"][1]) for c in group}
         if len(records) > 1:
             raise Refusal(name, "is called with different attention patterns or sides in one forward")
         q_side, kv_side, pattern, heads, kv_heads = records.pop()
         if pattern is None:
-            raise Refusal(name, f"is given {describe(None)} (e.g. chunked, blockwise or input-dependent masks)",
-                          "Use a model whose attention is causal, bidirectional or a sliding window")
+            raise Refusal(
+                name,
+                f"is given {describe(None)} (e.g. chunked, blockwise or input-dependent masks)",
+                "Use a model whose attention is causal, bidirectional or a sliding window",
+            )
         if q_side != kv_side and pattern != (False, None):
-            raise Refusal(name, f"cross-attends with a {describe(pattern)} pattern; cross-attention is sharded "
-                                "bidirectional only")
+            raise Refusal(
+                name, f"cross-attends with a {describe(pattern)} pattern; cross-attention is sharded bidirectional only"
+            )
         out[name] = (q_side, kv_side, pattern, heads, kv_heads)
     return out

@@ -25,13 +25,34 @@ from .signatures import collect
 
 STAND_IN = "seqpar_hf_dry_run"  # the attention implementation a dry run selects
 _RUN: contextvars.ContextVar = contextvars.ContextVar("seqpar_hf_dry_run", default=None)
-_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-            torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+_DROPOUT = {
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    torch.dropout,
+    torch.alpha_dropout,
+    torch.feature_dropout,
+    torch.feature_alpha_dropout,
+}
 # operations that mix along a dim, logged (for refusal messages) when that dim is a sequence of the run
-_ALONG = {F.softmax: "softmax", torch.softmax: "softmax", torch.Tensor.softmax: "softmax", torch.cumsum: "scan",
-          torch.Tensor.cumsum: "scan", torch.cumprod: "scan", torch.Tensor.cumprod: "scan", torch.topk: "selection",
-          torch.Tensor.topk: "selection", torch.argsort: "selection", torch.Tensor.argsort: "selection",
-          torch.sort: "selection", torch.Tensor.sort: "selection"}
+_ALONG = {
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
+    torch.Tensor.softmax: "softmax",
+    torch.cumsum: "scan",
+    torch.Tensor.cumsum: "scan",
+    torch.cumprod: "scan",
+    torch.Tensor.cumprod: "scan",
+    torch.topk: "selection",
+    torch.Tensor.topk: "selection",
+    torch.argsort: "selection",
+    torch.Tensor.argsort: "selection",
+    torch.sort: "selection",
+    torch.Tensor.sort: "selection",
+}
 _ALWAYS = {F.scaled_dot_product_attention: "softmax", F.conv1d: "convolution"}
 
 
@@ -114,7 +135,7 @@ class Determinism(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in ("rand", "rand_like", "uniform_") and isinstance(out, torch.Tensor):
-            low, high = (args[1:3] + (0.0, 1.0)[len(args[1:3]):]) if name == "uniform_" else (0.0, 1.0)
+            low, high = (args[1:3] + (0.0, 1.0)[len(args[1:3]) :]) if name == "uniform_" else (0.0, 1.0)
             out.fill_((kwargs.get("from", low) + kwargs.get("to", high)) / 2)
         elif name in ("randn", "randn_like", "normal_") and isinstance(out, torch.Tensor) and out.is_floating_point():
             out.fill_(kwargs.get("mean", args[1] if name == "normal_" and len(args) > 1 else 0.0))
@@ -122,9 +143,8 @@ class Determinism(TorchFunctionMode):
             out.fill_(1)
         return out
 
-
     def _along(self, func, args, kwargs) -> str | None:
-        """"softmax" / "scan" / "selection" when `func` runs along a sequence dim (or flattened tokens)."""
+        """ "softmax" / "scan" / "selection" when `func` runs along a sequence dim (or flattened tokens)."""
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor) or not x.dim():
             return None
@@ -192,19 +212,40 @@ class Run:
         self.attention: list[dict] = []  # one record per attention call
         self.masks: dict[int, tuple] = {}  # id of a mask tensor we returned -> (tensor, pattern)
 
-    def mask(self, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-             attention_mask=None, **kwargs):
+    def mask(
+        self,
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=0,
+        kv_offset=0,
+        mask_function=None,
+        attention_mask=None,
+        **kwargs,
+    ):
         """The shard runs get no mask, as the patched model; the full run a real one, remembered with the
         pattern read off its mask function (so each attention call knows which pattern it was given)."""
         if not self.full or mask_function is None:
             return None
         pattern = read_function(mask_function)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip",
-                                                              "allow_torch_fix")}
+        kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip", "allow_torch_fix")
+        }
         try:
-            mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+            mask = sdpa_mask(
+                batch_size=batch_size,
+                q_length=q_length,
+                kv_length=kv_length,
+                q_offset=q_offset,
+                kv_offset=kv_offset,
+                mask_function=mask_function,
+                attention_mask=attention_mask,
+                allow_is_causal_skip=False,
+                allow_is_bidirectional_skip=False,
+                **kwargs,
+            )
         except Exception:  # noqa: BLE001 - a mask function that cannot be materialised: the pattern says why
             mask = None
         if mask is None:
@@ -218,21 +259,33 @@ class Run:
         q_side, kv_side = self.lengths.get(query.shape[2]), self.lengths.get(key.shape[2])
         known = attention_mask is not None and id(attention_mask) in self.masks
         given = self.masks[id(attention_mask)][1] if known else None
-        self.attention.append({"module": self.names.get(module, type(module).__name__), "cls": type(module).__name__,
-                               "q": tuple(query.shape), "k": tuple(key.shape), "v": tuple(value.shape),
-                               "q_side": q_side, "kv_side": kv_side, "mask": attention_mask, "given": known, "pattern": given,
-                               "kwargs": {k: v for k, v in kwargs.items()}, "is_causal_attr":
-                                   getattr(module, "is_causal", None)})
+        self.attention.append(
+            {
+                "module": self.names.get(module, type(module).__name__),
+                "cls": type(module).__name__,
+                "q": tuple(query.shape),
+                "k": tuple(key.shape),
+                "v": tuple(value.shape),
+                "q_side": q_side,
+                "kv_side": kv_side,
+                "mask": attention_mask,
+                "given": known,
+                "pattern": given,
+                "kwargs": {k: v for k, v in kwargs.items()},
+                "is_causal_attr": getattr(module, "is_causal", None),
+            }
+        )
         if q_side is None:  # not along the sequence (e.g. over a token's layers): token-local, run it as is
             return self.original(module, query, key, value, attention_mask, **kwargs)
         if self.real is not None:
-            return softmax_attention(query, key, value, self.real(self.attention[-1], query, key),
-                                     kwargs.get("scaling"))
+            return softmax_attention(
+                query, key, value, self.real(self.attention[-1], query, key), kwargs.get("scaling")
+            )
         h, d_v = query.shape[1], value.shape[-1]
         if kv_side == q_side and key.shape[2] == query.shape[2]:
             index = torch.arange(h, device=query.device) * key.shape[1] // h  # GQA: each query head's kv head
             k, v = key.index_select(1, index), value.index_select(1, index)
-            out = v.to(query.dtype) + 1e-2 * (query * k[..., :query.shape[-1]]).sum(-1, keepdim=True)
+            out = v.to(query.dtype) + 1e-2 * (query * k[..., : query.shape[-1]]).sum(-1, keepdim=True)
         else:
             out = 1e-2 * query.sum(-1, keepdim=True).expand(*query.shape[:3], d_v)
         return out.transpose(1, 2).contiguous(), None  # [b, s_q, h, d_v]

@@ -39,14 +39,14 @@ def _lengths(length: int, row: int) -> list[int]:
     """Three documents of a row of `length` tokens, in another order on each row."""
     third = length // 3
     docs = [third, third + 1, length - 2 * third - 1]
-    return docs[row % 3:] + docs[:row % 3]
+    return docs[row % 3 :] + docs[: row % 3]
 
 
 def _batch(pretrained, length: int, rows: int, flash: bool, device) -> dict:
     ids = probe.token_ids(pretrained, pretrained.config, length, 2, rows)
     docs = [_lengths(length, r) for r in range(rows)]
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])  # [rows, length]
-    batch = {"input_ids": ids.to(device), "position_ids": positions.to(device)}
+    batch: dict[str, torch.Tensor | int] = {"input_ids": ids.to(device), "position_ids": positions.to(device)}
     if flash:  # one row: cumulative lengths [documents + 1] int32, as DataCollatorWithFlattening gives them
         cu = torch.tensor([0] + docs[0], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(docs[0]), max_length_k=max(docs[0]))
@@ -78,20 +78,25 @@ def _flash_documents(kwargs: dict, rows: int) -> torch.Tensor | None:
 
 def _unpatched(original: str | None, rows: int):
     """The mask each attention call computes with in the unpatched model."""
+
     def make(call, query, key):
         if "flash" in (original or ""):
-            return _mask(_flash_documents(call["kwargs"], rows), call_pattern(call, original, {}), key.shape[2],
-                         key.device)
+            return _mask(
+                _flash_documents(call["kwargs"], rows), call_pattern(call, original, {}), key.shape[2], key.device
+            )
         if isinstance(call["mask"], torch.Tensor) and call["mask"].dim() == 4:
             return call["mask"]  # made by the model's mask function (or the model itself)
         return _mask(None, call_pattern(call, original, {}), key.shape[2], key.device)  # the kernel's own rule
+
     return make
 
 
 def _patched(records: dict, doc: torch.Tensor):
     """The mask each attention call computes with in the patched model: its pattern, within documents."""
+
     def make(call, query, key):
         return _mask(doc, records[call["module"]][2], key.shape[2], key.device)
+
     return make
 
 
@@ -99,9 +104,18 @@ def _forward(backbone, kw: dict, names: dict, length: int, original, make, recor
     """The backbone's output (or, `record`: its per-module records) under softmax attention with `make`'s
     masks; an exception is returned, not raised."""
     if record:
-        recorder, _, _, err = probe.run_forward(backbone, lambda: backbone(**kw), {length: "decoder"}, names,
-                                                original_function(original), True, False, log_ops=False, rows=rows,
-                                                real=make)
+        recorder, _, _, err = probe.run_forward(
+            backbone,
+            lambda: backbone(**kw),
+            {length: "decoder"},
+            names,
+            original_function(original),
+            True,
+            False,
+            log_ops=False,
+            rows=rows,
+            real=make,
+        )
         return recorder.calls if err is None else err[0]
     backbone.eval()
     run = dryrun.Run(names, {length: "decoder"}, original_function(original), True, make)
@@ -117,7 +131,7 @@ def check(pretrained, observed, records: dict, original: str | None) -> dict[str
     backbone, prefix = observed.backbone, observed.backbone_name
     names = {m: n for n, m in pretrained.named_modules(remove_duplicate=False)}
     params = inspect.signature(backbone.forward).parameters
-    takes = lambda key: key in params or any(p.kind == p.VAR_KEYWORD for p in params.values())  # noqa: E731
+    takes = lambda key: key in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
     length = observed.sizes.causal
     device = next((p.device for p in backbone.parameters() if p.device.type != "meta"), torch.device("cpu"))
     tol = tolerance(next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32))
@@ -129,6 +143,7 @@ def check(pretrained, observed, records: dict, original: str | None) -> dict[str
         if "use_cache" in params:
             kw["use_cache"] = cache  # the patched model keeps documents apart either way
         doc = documents_from_positions(kw["position_ids"], always=True)
+        assert doc is not None  # always=True
         makes = (_unpatched(original, rows), _patched(records, doc))
         unpatched = _forward(backbone, kw, names, length, original, makes[0], False, rows)
         if rows not in patched:  # the patched model ignores flash-attention kwargs: one run per row count
@@ -136,18 +151,25 @@ def check(pretrained, observed, records: dict, original: str | None) -> dict[str
         outs = (unpatched, patched[rows])
         failed = next((o for o in outs if isinstance(o, Exception)), None)
         if failed is not None:
-            refused[case] = f"{type(pretrained).__name__} fails on {case} at patch time " \
-                            f"({type(failed).__name__}: {str(failed).splitlines()[0][:160] if str(failed) else ''})"
+            refused[case] = (
+                f"{type(pretrained).__name__} fails on {case} at patch time "
+                f"({type(failed).__name__}: {str(failed).splitlines()[0][:160] if str(failed) else ''})"
+            )
             continue
         if (outs[0] - outs[1]).abs().max() <= tol * outs[0].abs().max():
             continue
         # name where the documents meet: the innermost module whose inputs agree and outputs do not
         runs = [_forward(backbone, kw, names, length, original, make, True, rows) for make in makes]
         every = torch.arange(length)
-        found = culprits(runs[0], runs[1], {"decoder": (every, every)}, tol) if all(isinstance(r, dict)
-                                                                                    for r in runs) else []
+        found = (
+            culprits(runs[0], runs[1], {"decoder": (every, every)}, tol)
+            if all(isinstance(r, dict) for r in runs)
+            else []
+        )
         where = f"{prefix}.{found[0][0]}".strip(".") if found else prefix
         module = pretrained.get_submodule(where) if where else pretrained
-        refused[case] = f"{type(pretrained).__name__} lets {where or 'its forward'} ({type(module).__name__}) " \
-                        f"attend across the documents of {case} (seen at patch time)"
+        refused[case] = (
+            f"{type(pretrained).__name__} lets {where or 'its forward'} ({type(module).__name__}) "
+            f"attend across the documents of {case} (seen at patch time)"
+        )
     return refused

@@ -22,9 +22,11 @@ import inspect
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from ... import _compat
 from ...parallel.sharding import ShardPlan
@@ -50,6 +52,7 @@ class Observed:
     head_logits: tuple | None = None  # (output embeddings input, the model's logits) for the tiled-loss check
     loss_convention: str | None = None  # "shift" / "same" / "other": how the model's own loss reads its labels
     inplace: set = field(default_factory=set)  # nn.Linear modules whose outputs the model modifies in place
+    full: tuple = ()  # (recorder, batch, lengths, what the backbone was called with) of the full run
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -58,18 +61,20 @@ class _Layout(SimpleNamespace):
     """The sizes a shard plan reads off a layout, for a simulated split (no process group)."""
 
 
-def _sim_layout(rank: int, ring: bool) -> _Layout:
+def _sim_layout(rank: int, ring: bool) -> Any:  # Any: it stands in for a ParallelLayout (the fields read)
     return _Layout(sp_size=2, sp_rank=rank, sizes=SimpleNamespace(ring_size=2 if ring else 1, tp_size=1))
 
 
 def token_ids(model, config, length: int, seed: int, rows: int = BATCH) -> torch.Tensor:
     """[rows, length] ordinary token ids: none of the config's special or modality ids."""
     vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config.get_text_config().vocab_size
-    special = set()
+    special: set[int] = set()
     for c in probe_sizes.all_configs(config):
         for key, value in c.__dict__.items():
             if key.endswith(("_token_id", "_token_index", "_token_ids", "_id")):
-                special.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+                special.update(
+                    v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
+                )
     allowed = torch.tensor([i for i in range(3, min(vocab, 1024)) if i not in special] or [vocab - 1])
     g = torch.Generator().manual_seed(seed)
     return allowed[torch.randint(len(allowed), (rows, length), generator=g)]
@@ -88,13 +93,26 @@ def _batch(model, config, kind: str, pad_id: int, device, sizes: probe_sizes.Siz
 
 
 def _named(forward, args: tuple, kwargs: dict) -> dict:
-    params = [n for n, p in inspect.signature(forward).parameters.items()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        n
+        for n, p in inspect.signature(forward).parameters.items()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return {**dict(zip(params, args)), **kwargs}
 
 
-def run_forward(root: nn.Module, call, lengths: dict, names: dict, original, full: bool, training: bool,
-                log_ops: bool, rows: int = BATCH, real=None):
+def run_forward(
+    root: nn.Module,
+    call,
+    lengths: dict,
+    names: dict,
+    original,
+    full: bool,
+    training: bool,
+    log_ops: bool,
+    rows: int = BATCH,
+    real=None,
+):
     """One forward of `root` under the stand-in attention (`real`: softmax attention under the masks it
     makes, dryrun.Run): (recorder, run, output, error)."""
     root.train(training)
@@ -111,7 +129,7 @@ def run_forward(root: nn.Module, call, lengths: dict, names: dict, original, ful
     return recorder, run, out, error
 
 
-def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None, guess: nn.Module) -> Observed:
+def observe(pretrained: PreTrainedModel, kind: str, pad_id: int, original: str | None, guess: nn.Module) -> Observed:
     """The full run (eval): backbone, attention calls, the model's logits."""
     start = time.perf_counter()
     dryrun.register()
@@ -121,22 +139,33 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
     lengths = {sizes.causal: "decoder"} if kind == "causal" else {sizes.causal: "encoder", sizes.target: "decoder"}
     names = {m: n for n, m in pretrained.named_modules(remove_duplicate=False)}
     head = pretrained.get_output_embeddings()  # None: the backbone itself was given
-    captured = {}
-    handle = head.register_forward_hook(lambda m, a, o: captured.update(hidden=a[0], raw=o)) if head is not None \
-        else None
+    captured: dict[str, torch.Tensor] = {}
+    handle = (
+        head.register_forward_hook(lambda m, a, o: captured.update(hidden=a[0], raw=o)) if head is not None else None
+    )
     kwargs = dict(batch, return_dict=True)
     if "use_cache" in inspect.signature(pretrained.forward).parameters:
         kwargs["use_cache"] = False
     labels = None
     if head is not None:  # the model's own loss on the same forward, for the loss-convention check
-        labels = batch["decoder_input_ids"].clone() if kind == "seq2seq" else \
-            batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        labels = (
+            batch["decoder_input_ids"].clone()
+            if kind == "seq2seq"
+            else batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        )
     try:
         pretrained.set_attn_implementation(dryrun.STAND_IN)
-        for given in ((labels, None) if labels is not None else (None,)):
-            recorder, run, out, error = run_forward(pretrained, lambda: pretrained(**kwargs, **(
-                {"labels": given} if given is not None else {})), lengths, names, original_function(original), True,
-                False, log_ops=False)
+        for given in (labels, None) if labels is not None else (None,):
+            recorder, run, out, error = run_forward(
+                pretrained,
+                lambda: pretrained(**kwargs, **({"labels": given} if given is not None else {})),
+                lengths,
+                names,
+                original_function(original),
+                True,
+                False,
+                log_ops=False,
+            )
             if error is None:
                 labels = given
                 break
@@ -145,9 +174,12 @@ def observe(pretrained: nn.Module, kind: str, pad_id: int, original: str | None,
             handle.remove()
     if error is not None:
         exc, stack = error
-        raise Refusal(stack[-1] if stack else "", "fails in a plain forward on a tiny batch (the dry run): "
-                      f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
-                      "This model cannot be checked, so it is not patched")
+        raise Refusal(
+            stack[-1] if stack else "",
+            "fails in a plain forward on a tiny batch (the dry run): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+            "This model cannot be checked, so it is not patched",
+        )
     sequence = [c for c in run.attention if c["q_side"] is not None]
     backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
     backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
@@ -176,21 +208,28 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
     with_attention = sorted({t[0] for t in top if any(a.startswith(t[0] + ".") for a in attention)})
     if len(with_attention) > 1:
         listed = ", ".join(f"{n} ({type(pretrained.get_submodule(n)).__name__})" for n in with_attention)
-        raise Refusal("", f"runs attention in several modules it calls itself ({listed}), not inside one "
-                      "backbone", "seqpar_hf shards the sequence in one backbone forward: use a model whose forward "
-                      "runs one backbone (e.g. the decoder's own *ForCausalLM)")
+        raise Refusal(
+            "",
+            f"runs attention in several modules it calls itself ({listed}), not inside one backbone",
+            "seqpar_hf shards the sequence in one backbone forward: use a model whose forward "
+            "runs one backbone (e.g. the decoder's own *ForCausalLM)",
+        )
     # no attention through the interface: the module the forward calls that embeds the tokens (the shard
     # runs then name what mixes them)
     embeddings = pretrained.get_input_embeddings()
     for t in top:
         if t[0] and any(m is embeddings for m in pretrained.get_submodule(t[0]).modules()):
             return t[0], t
-    raise Refusal("", "calls no module that embeds its tokens and attends through transformers' AttentionInterface",
-                  "Use a model whose attention does")
+    raise Refusal(
+        "",
+        "calls no module that embeds its tokens and attends through transformers' AttentionInterface",
+        "Use a model whose attention does",
+    )
 
 
-def shard_check(pretrained, observed: Observed, kind: str, family_positions: list, pad_id: int, ring: bool,
-                original: str | None) -> None:
+def shard_check(
+    pretrained, observed: Observed, kind: str, family_positions: list, pad_id: int, ring: bool, original: str | None
+) -> None:
     """Refuse (Refusal) unless every module of the backbone computes on a shard what it computes on the
     same tokens of the full sequence, in eval and in training mode."""
     recorder, batch, lengths, backbone_kwargs = observed.full
@@ -203,20 +242,31 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
     dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
     for training in (False, True):
         if training:  # the full run again, in training mode (capacity-limited routing, batch statistics, ...)
-            recorder, _, _, error = run_forward(backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn,
-                                                True, True, log_ops=False)
+            recorder, _, _, error = run_forward(
+                backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn, True, True, log_ops=False
+            )
             full_calls = recorder.calls
             if error is not None:
-                raise Refusal(_path(prefix, error[1][-1] if error[1] else ""), "fails in a training-mode forward on a "
-                              "tiny batch: "
-                              f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}", "")
+                raise Refusal(
+                    _path(prefix, error[1][-1] if error[1] else ""),
+                    "fails in a training-mode forward on a "
+                    "tiny batch: "
+                    f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}",
+                    "",
+                )
         else:
             full_calls = {_relative(prefix, n): v for n, v in recorder.calls.items()}  # names in the backbone
             full_calls.pop(None, None)
         for rank in (0, 1):
             kw = dict(backbone_kwargs)
-            ctx = shard(_sim_layout(rank, ring), kw, pad_id, local_outputs=True, keep_ids=True,
-                        default_positions=observed.default_positions)
+            ctx = shard(
+                _sim_layout(rank, ring),
+                kw,
+                pad_id,
+                local_outputs=True,
+                keep_ids=True,
+                default_positions=observed.default_positions,
+            )
             if takes_kwargs:
                 kw[CONTEXT_KWARG] = ctx
             else:  # a backbone without position_ids (refused for it): what it takes
@@ -225,16 +275,20 @@ def shard_check(pretrained, observed: Observed, kind: str, family_positions: lis
             hooks = positions_.install(state, SimpleNamespace(positions=family_positions), pad_id)
             local = {meta.plan.local_length: side for side, meta in ctx.seqs.items()}
             try:
-                shard_rec, _, _, error = run_forward(backbone, lambda: backbone(**kw), local, names, fn, False,
-                                                     training, log_ops=True)
+                shard_rec, _, _, error = run_forward(
+                    backbone, lambda: backbone(**kw), local, names, fn, False, training, log_ops=True
+                )
             finally:
                 for h in hooks:
                     h.remove()
             if error is not None:
                 where = _path(prefix, error[1][-1] if error[1] else "")
-                raise Refusal(where, f"fails on a shard of the sequence ({type(error[0]).__name__}: "
-                              f"{str(error[0]).splitlines()[0][:160]}): it cannot run on part of the sequence",
-                              "Train it without sequence parallelism")
+                raise Refusal(
+                    where,
+                    f"fails on a shard of the sequence ({type(error[0]).__name__}: "
+                    f"{str(error[0]).splitlines()[0][:160]}): it cannot run on part of the sequence",
+                    "Train it without sequence parallelism",
+                )
             keep = _keep(ctx, lengths, batch, kind)
             found = culprits(full_calls, shard_rec.calls, keep, tolerance(dtype))
             if found:
@@ -248,7 +302,7 @@ def _relative(prefix: str, name: str) -> str | None:
     """A module path relative to the backbone at `prefix` (None: outside it)."""
     if not prefix:
         return name
-    return "" if name == prefix else (name[len(prefix) + 1:] if name.startswith(prefix + ".") else None)
+    return "" if name == prefix else (name[len(prefix) + 1 :] if name.startswith(prefix + ".") else None)
 
 
 def _path(prefix: str, name: str) -> str:

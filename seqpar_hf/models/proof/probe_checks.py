@@ -27,8 +27,11 @@ class Refusal(ValueError):
             module = model.get_submodule(self.where) if self.where else model
         except AttributeError:
             module = None
-        what = f"{self.where} ({type(module).__name__})" if self.where and module is not None else \
-            (self.where or "its forward")
+        what = (
+            f"{self.where} ({type(module).__name__})"
+            if self.where and module is not None
+            else (self.where or "its forward")
+        )
         return f"seqpar_hf cannot shard {name}: {what} {self.why}. {self.fix}"
 
 
@@ -88,16 +91,21 @@ def describe_culprit(module: nn.Module, clean: set, ops: dict, name: str) -> str
     elif "convolution" in seen or convs:
         what = "runs a convolution along the sequence"
     elif "scan" in seen:
-        what = "runs a scan along the sequence (cumulative sums or products: a state-space or linear-attention " \
-               "recurrence, or positions counted over the sequence)"
+        what = (
+            "runs a scan along the sequence (cumulative sums or products: a state-space or linear-attention "
+            "recurrence, or positions counted over the sequence)"
+        )
     elif "selection" in seen:
-        what = "selects among the tokens of the whole sequence (top-k / sorting over it, e.g. a sparse-attention " \
-               "indexer)"
+        what = (
+            "selects among the tokens of the whole sequence (top-k / sorting over it, e.g. a sparse-attention indexer)"
+        )
     elif seen & {"scan-tokens", "selection-tokens", "softmax-tokens"}:
         what = "decides for each token from the batch's other tokens (e.g. expert capacity counted over the tokens)"
     else:
-        what = "mixes information along the sequence outside attention (a recurrence, a selection over the whole " \
-               "sequence, or positions made from it)"
+        what = (
+            "mixes information along the sequence outside attention (a recurrence, a selection over the whole "
+            "sequence, or positions made from it)"
+        )
     return f"{what}; under sequence parallelism it would see only this rank's shard of the sequence"
 
 
@@ -109,7 +117,7 @@ def loss_convention(model: nn.Module, labels: torch.Tensor | None, out) -> str |
     loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
     if labels is None or loss is None or logits is None or logits.shape[:2] != labels.shape[:2]:
         return None
-    flat = lambda x: x.reshape(-1, x.shape[-1]).float()  # noqa: E731
+    flat = lambda x: x.reshape(-1, x.shape[-1]).float()
     shift = torch.nn.functional.cross_entropy(flat(logits[:, :-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
     same = torch.nn.functional.cross_entropy(flat(logits), labels.reshape(-1), ignore_index=-100)
     aux = getattr(out, "aux_loss", None)
@@ -119,17 +127,23 @@ def loss_convention(model: nn.Module, labels: torch.Tensor | None, out) -> str |
         shift, same = shift + coef * aux.float(), same + coef * aux.float()
     tol = max(tolerance(logits.dtype), 1e-6)
     scale = max(abs(loss.float().item()), 1e-12)
-    errors = {name: abs(value.item() - loss.float().item()) / scale for name, value in (("shift", shift),
-                                                                                         ("same", same))}
-    best = min(errors, key=errors.get)
+    errors = {
+        name: abs(value.item() - loss.float().item()) / scale for name, value in (("shift", shift), ("same", same))
+    }
+    best = min(errors, key=errors.__getitem__)
     if errors[best] > tol:
         return "other"
     other = errors["same" if best == "shift" else "shift"]
     return best if other > 10 * errors[best] else None  # both within rounding: the batch cannot tell
 
 
-CANDIDATES = tuple(Post(bias=b, scale=s, scaling=c, softcap=f) for c in ("divide", "multiply", None)
-                   for b in (True, False) for s in (True, False) for f in (True, False))
+CANDIDATES = tuple(
+    Post(bias=b, scale=s, scaling=c, softcap=f)
+    for c in ("divide", "multiply", None)
+    for b in (True, False)
+    for s in (True, False)
+    for f in (True, False)
+)
 
 
 def post_processing(model, hidden: torch.Tensor, logits: torch.Tensor) -> Post | None:

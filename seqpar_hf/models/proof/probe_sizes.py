@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+from transformers import PreTrainedModel
 
 from .probe_checks import Refusal
 
@@ -32,7 +33,8 @@ def _shards(length: int, causal: bool) -> tuple[int, int]:
 
 
 def all_configs(config) -> list:
-    out, todo = [], [config]
+    out: list = []
+    todo = [config]
     while todo:
         c = todo.pop()
         if c is None or any(c is o for o in out):
@@ -53,11 +55,15 @@ def _config_ints(config) -> set[int]:
 
 
 def _position_counts(config) -> set[int]:
-    return {v for c in all_configs(config) for k, v in vars(c).items()
-            if isinstance(v, int) and ("position" in k or k in ("n_ctx", "max_seq_len"))}
+    return {
+        v
+        for c in all_configs(config)
+        for k, v in vars(c).items()
+        if isinstance(v, int) and ("position" in k or k in ("n_ctx", "max_seq_len"))
+    }
 
 
-def position_room(model: nn.Module) -> tuple[int, str, int] | None:
+def position_room(model: PreTrainedModel) -> tuple[int, str, int] | None:
     """(tokens, path, rows) of the shortest absolute position table of `model` takes: an nn.Embedding other than
     the token embeddings with as many rows (past its `offset`) as a config field about positions says;
     a table with a padding row keeps the rows up to it for padding-aware positions (RoBERTa's)."""
@@ -76,7 +82,7 @@ def position_room(model: nn.Module) -> tuple[int, str, int] | None:
     return best
 
 
-def choose(model: nn.Module, kind: str) -> Sizes:
+def choose(model: PreTrainedModel, kind: str) -> Sizes:
     """The dry run's lengths for `model` ("causal" or "seq2seq"); Refusal when its tables are too short."""
     room = position_room(model)
     if room is None or room[0] >= DEFAULT[0]:
@@ -93,5 +99,8 @@ def choose(model: nn.Module, kind: str) -> Sizes:
             runs = [(length, target), (full[0], part[0]), (full[1], part[1])]  # the full run, then each split
             if all(a != b for a, b in runs) and not ({length, target, *full, *part} & taken):
                 return Sizes(length, target)
-    raise Refusal(room[1], f"holds {room[2]} positions, too few for the dry run that proves the model shards "
-                           f"exactly (it needs {MIN_LENGTH} tokens or more, at lengths no size of the model has)")
+    raise Refusal(
+        room[1],
+        f"holds {room[2]} positions, too few for the dry run that proves the model shards "
+        f"exactly (it needs {MIN_LENGTH} tokens or more, at lengths no size of the model has)",
+    )

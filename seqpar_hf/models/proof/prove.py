@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import inspect
 import time
+from typing import cast
 
 import torch
+from transformers import PreTrainedModel
 
 from ..families import AttentionModule, ModelFamily
 from ..forward.default_positions import RULES, compute
@@ -35,13 +37,14 @@ def _sites(records: dict, observed, pretrained) -> tuple[list[AttentionModule], 
     for path, record in records.items():
         inside = not prefix or path == prefix or path.startswith(prefix + ".")
         module = pretrained.get_submodule(path)
-        name = path[len(prefix) + 1:] if prefix and inside else path
+        name = path[len(prefix) + 1 :] if prefix and inside else path
         if record == "local":
             local.append(AttentionModule(name, module, None, None, 0, 0))
             continue
         if not inside:
-            raise Refusal(path, f"attends outside the backbone the forward runs ({prefix}), where the sequence is "
-                                "not sharded")
+            raise Refusal(
+                path, f"attends outside the backbone the forward runs ({prefix}), where the sequence is not sharded"
+            )
         q_side, kv_side, pattern, heads, kv_heads = record
         sequence.append(AttentionModule(name, module, q_side, kv_side, heads, kv_heads, pattern))
     return sequence, local
@@ -54,22 +57,27 @@ def _check_loss(convention: str | None, kind: str) -> None:
     if convention in (None, expected):
         return
     if convention == "same":
-        why = "computes its loss against the label at the same position (no shift), where causal LMs (and the " \
-              "sequence-parallel loss) predict the next token"
+        why = (
+            "computes its loss against the label at the same position (no shift), where causal LMs (and the "
+            "sequence-parallel loss) predict the next token"
+        )
     elif convention == "shift":
         why = "shifts its encoder-decoder labels inside the loss, which the sequence-parallel loss does not"
     else:
         why = "computes a loss that is not the token-mean cross-entropy of its logits (checked on the dry run)"
-    raise Refusal("", why, "Train it without sequence parallelism, or with lm_loss=False and your own loss on "
-                           "gather_logits")
+    raise Refusal(
+        "", why, "Train it without sequence parallelism, or with lm_loss=False and your own loss on gather_logits"
+    )
 
 
 def choose_default_positions(observed, pad_id: int, original: str | None) -> str:
     """The rule (models/forward/default_positions.py) the causal backbone follows when given no positions: the
     first whose explicit positions reproduce the full run's backbone output; Refusal if none does."""
     recorder, batch, lengths, kwargs = observed.full
-    if kwargs.get("position_ids") is not None or \
-            "position_ids" not in inspect.signature(observed.backbone.forward).parameters:
+    if (
+        kwargs.get("position_ids") is not None
+        or "position_ids" not in inspect.signature(observed.backbone.forward).parameters
+    ):
         return "arange"
     backbone, names = observed.backbone, {m: n for n, m in observed.backbone.named_modules(remove_duplicate=False)}
     want = recorder.calls[observed.backbone_name][0]["out"]
@@ -79,17 +87,28 @@ def choose_default_positions(observed, pad_id: int, original: str | None) -> str
     for rule in RULES:
         pos = compute(rule, ids, mask, probe.BATCH, observed.sizes.causal, pad_id, ids.device)
         pos = torch.arange(observed.sizes.causal, device=ids.device).unsqueeze(0) if pos is None else pos
-        rec, _, _, err = probe.run_forward(backbone, lambda: backbone(**{**kwargs, "position_ids": pos}), lengths,
-                                           names, original_function(original), True, False, log_ops=False)
+        rec, _, _, err = probe.run_forward(
+            backbone,
+            lambda: backbone(**{**kwargs, "position_ids": pos}),
+            lengths,
+            names,
+            original_function(original),
+            True,
+            False,
+            log_ops=False,
+        )
         if err is not None:
             continue
         got = rec.calls[""][0]["out"]
         errors = [error(want[p], real, got[p], real) for p in want if p in got]
         if errors and all(e is not None and e <= tolerance(dtype) for e in errors):
             return rule
-    raise Refusal(observed.backbone_name, "makes its own positions when given none, from the whole batch, by none of "
-                  "the rules seqpar_hf reproduces (0..S-1, cumsum of the attention mask, padding-aware ids)",
-                  "Train it without sequence parallelism")
+    raise Refusal(
+        observed.backbone_name,
+        "makes its own positions when given none, from the whole batch, by none of "
+        "the rules seqpar_hf reproduces (0..S-1, cumsum of the attention mask, padding-aware ids)",
+        "Train it without sequence parallelism",
+    )
 
 
 def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split: bool, ring: bool) -> ModelFamily:
@@ -108,22 +127,41 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         if split or not attention or no_positions:  # without attention (or positions), name what mixes tokens
             probe.shard_check(pretrained, observed, kind, positions, pad_id, ring, original)
         if no_positions:
-            raise Refusal("", "runs a backbone that takes no position_ids, so shards cannot be given their global "
-                              "positions", "Use a model whose forward takes position_ids")
+            raise Refusal(
+                "",
+                "runs a backbone that takes no position_ids, so shards cannot be given their global positions",
+                "Use a model whose forward takes position_ids",
+            )
         if not attention:
-            raise Refusal("", "calls no attention along the sequence through transformers' AttentionInterface "
-                              "(found no attention modules)", "Use a model whose attention does (most models "
-                                                              "in transformers 5)")
+            raise Refusal(
+                "",
+                "calls no attention along the sequence through transformers' AttentionInterface "
+                "(found no attention modules)",
+                "Use a model whose attention does (most models in transformers 5)",
+            )
         head_post = None
         if observed.head_logits is not None:
             head_post = post_processing(pretrained, *observed.head_logits)
         # the kinds of packed rows the unpatched model does not keep apart (seq2seq rows: seqpar_hf's convention)
         packed = packed_probe.check(pretrained, observed, records, original) if kind == "causal" else {}
-    family = ModelFamily(kind, pretrained, backbone, backbone is not pretrained, attention, positions, stacks,
-                         local, observed.default_positions, head_post, packed_rows=packed)
+    family = ModelFamily(
+        kind,
+        pretrained,
+        # the model itself or the base model it calls (what its base_model_prefix names): a PreTrainedModel
+        cast(PreTrainedModel, backbone),
+        backbone is not pretrained,
+        attention,
+        positions,
+        stacks,
+        local,
+        observed.default_positions,
+        head_post,
+        packed_rows=packed,
+    )
     prefix = observed.backbone_name
     family.layer_inputs = layer_inputs(family, observed.full[0].calls, prefix)
-    family.inplace_outputs = {n[len(prefix) + 1:] if prefix else n for n in observed.inplace
-                              if not prefix or n.startswith(prefix + ".")}
+    family.inplace_outputs = {
+        n[len(prefix) + 1 :] if prefix else n for n in observed.inplace if not prefix or n.startswith(prefix + ".")
+    }
     family.dry_run_seconds = time.perf_counter() - start
     return family

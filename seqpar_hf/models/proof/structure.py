@@ -20,25 +20,46 @@ def _refuse(name: str, why: str, fix: str):
 
 def check_structure(model: nn.Module, config, name: str) -> None:
     """Refuse attention that spans the whole sequence by construction, read off the config and the modules."""
-    if any(hasattr(m, "relative_attention_bias") for m in model.modules()) or \
-            getattr(config, "relative_attention_num_buckets", None) is not None:
-        _refuse(name, "its attention adds a relative position bias computed from the whole query-key distance "
-                      "matrix, which no rank holds under sequence parallelism",
-                "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work")
-    if getattr(config, "alibi", False) or \
-            getattr(config, "position_embedding_type", "absolute") not in ("absolute", "rope", None):
-        _refuse(name, "its attention uses ALiBi or relative-key position biases that span the whole sequence",
-                "Use a model with rotary or absolute positions")
+    if (
+        any(hasattr(m, "relative_attention_bias") for m in model.modules())
+        or getattr(config, "relative_attention_num_buckets", None) is not None
+    ):
+        _refuse(
+            name,
+            "its attention adds a relative position bias computed from the whole query-key distance "
+            "matrix, which no rank holds under sequence parallelism",
+            "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work",
+        )
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "absolute") not in (
+        "absolute",
+        "rope",
+        None,
+    ):
+        _refuse(
+            name,
+            "its attention uses ALiBi or relative-key position biases that span the whole sequence",
+            "Use a model with rotary or absolute positions",
+        )
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) has no "
-                      "sharded kernel here", "Set config.attn_logit_softcapping = None before patching (Gemma 2 "
-                                              "trains well without it), or train without sequence parallelism")
+        _refuse(
+            name,
+            f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) has no "
+            "sharded kernel here",
+            "Set config.attn_logit_softcapping = None before patching (Gemma 2 "
+            "trains well without it), or train without sequence parallelism",
+        )
     if getattr(config, "attention_chunk_size", None):
-        _refuse(name, f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
-                "Set config.attention_chunk_size = None to train with full attention")
+        _refuse(
+            name,
+            f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
+            "Set config.attention_chunk_size = None to train with full attention",
+        )
     if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules()):
-        _refuse(name, "its attention has learned sinks, which the sharded kernels here do not take",
-                "Train it without sequence parallelism")
+        _refuse(
+            name,
+            "its attention has learned sinks, which the sharded kernels here do not take",
+            "Train it without sequence parallelism",
+        )
 
 
 def _positions(backbone: nn.Module, kind: str, name: str, encoder) -> list[PositionModule]:
@@ -55,9 +76,12 @@ def _positions(backbone: nn.Module, kind: str, name: str, encoder) -> list[Posit
             elif cls.startswith(("M2M100", "NllbMoe")) and hasattr(module, "weights"):
                 found.append(PositionModule(side, module, "m2m100"))
             else:
-                _refuse(name, f"its position embedding {path} ({cls}) does not take position ids, so shards "
-                              "cannot be given their global positions", "Use a model whose positions are rotary or "
-                                                                         "looked up by position id")
+                _refuse(
+                    name,
+                    f"its position embedding {path} ({cls}) does not take position ids, so shards "
+                    "cannot be given their global positions",
+                    "Use a model whose positions are rotary or looked up by position id",
+                )
     return found
 
 

@@ -42,7 +42,8 @@ class _Gathered:
         self.mesh, self.outer = mesh, outer
         self.storage = full.untyped_storage().data_ptr()
         self.shard = outer[0](shard) if outer else shard
-        self.full, self.pending = None, 0
+        self.full: torch.Tensor | None = None
+        self.pending = 0
 
     def materialize(self) -> torch.Tensor:
         if self.full is None:
@@ -75,7 +76,7 @@ class _Regathered:
 class BlockScope:
     """Saved-tensors hooks of one block forward (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.outer = _compat.outer_saved_tensors_hooks()
         self.sources: list[_Gathered] = []
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

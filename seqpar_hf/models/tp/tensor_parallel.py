@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from ..families import ModelFamily
 from . import regather
@@ -99,8 +105,11 @@ class _SliceSequence:
 
     def __call__(self, module, args, kwargs):
         x = args[0]
-        local = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(
-            self.mesh, [Shard(1)]).to_local()
+        local = (
+            DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+            .redistribute(self.mesh, [Shard(1)])
+            .to_local()
+        )
         return (local, *args[1:]), kwargs
 
 
@@ -120,11 +129,17 @@ def _check_sizes(family: ModelFamily, tp: int, ulysses: int) -> None:
     config = family.pretrained.config
     for site in family.attention:
         if site.heads % tp or site.kv_heads % tp:
-            _refuse(f"{site.name} has {site.heads} query and {site.kv_heads} key/value heads, not divisible by "
-                    f"tp_size={tp}", f"pick a tp_size dividing {site.kv_heads}")
+            _refuse(
+                f"{site.name} has {site.heads} query and {site.kv_heads} key/value heads, not divisible by "
+                f"tp_size={tp}",
+                f"pick a tp_size dividing {site.kv_heads}",
+            )
         if site.heads // tp < ulysses:
-            _refuse(f"{site.name} keeps {site.heads // tp} heads per TP rank, fewer than the {ulysses} Ulysses ranks "
-                    "that split them", "use mode='ring' (or hybrid with a larger ring_size) or a smaller tp_size")
+            _refuse(
+                f"{site.name} keeps {site.heads // tp} heads per TP rank, fewer than the {ulysses} Ulysses ranks "
+                "that split them",
+                "use mode='ring' (or hybrid with a larger ring_size) or a smaller tp_size",
+            )
     for name in ("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim"):
         width = getattr(config, name, None)
         if isinstance(width, int) and width % tp:
@@ -141,9 +156,11 @@ def decoder_only_plan(family: ModelFamily, group) -> dict:
     config = family.pretrained.config
     base = getattr(config, "base_model_tp_plan", None) or {}
     if not base:
-        _refuse(f"{type(family.pretrained).__name__} has no tensor-parallel plan in transformers",
-                "use tp_size=1 (Ulysses / ring work for it)")
-    plan = {}
+        _refuse(
+            f"{type(family.pretrained).__name__} has no tensor-parallel plan in transformers",
+            "use tp_size=1 (Ulysses / ring work for it)",
+        )
+    plan: dict[str, ParallelStyle] = {}
     for key, style in base.items():
         if key == "embed_tokens":  # transformers 5.17 adds it for tied embeddings; parallelised below (vocab-parallel)
             continue
@@ -152,8 +169,11 @@ def decoder_only_plan(family: ModelFamily, group) -> dict:
         elif style == _ROWWISE:
             plan[key] = RowwiseParallel(output_layouts=Shard(1))
         elif style != _REPLICATED:
-            _refuse(f"{type(family.pretrained).__name__}'s plan entry {key!r}: {style!r} (fused or expert weights) is not "
-                    "supported", "use tp_size=1 (Ulysses / ring and FSDP work for it)")
+            _refuse(
+                f"{type(family.pretrained).__name__}'s plan entry {key!r}: {style!r} (fused or expert weights) is not "
+                "supported",
+                "use tp_size=1 (Ulysses / ring and FSDP work for it)",
+            )
     return plan
 
 
@@ -167,8 +187,10 @@ def check(family: ModelFamily, layout) -> None:
         for stack in _layer_stacks(family):
             for layer in stack.layers:
                 if not (hasattr(layer, "fc1") and hasattr(layer, "fc2") and hasattr(layer, "self_attn")):
-                    _refuse(f"{type(layer).__name__} is not an encoder-decoder layer with self_attn, fc1 and fc2",
-                            "use tp_size=1")
+                    _refuse(
+                        f"{type(layer).__name__} is not an encoder-decoder layer with self_attn, fc1 and fc2",
+                        "use tp_size=1",
+                    )
 
 
 def parallelize(family: ModelFamily, layout) -> None:
@@ -186,8 +208,9 @@ def parallelize(family: ModelFamily, layout) -> None:
         plan = decoder_only_plan(family, layout.tp_group)
         parallelize_module(backbone, mesh, plan, src_data_rank=None)
         embed = backbone.get_input_embeddings()
-        parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                           src_data_rank=None)
+        parallelize_module(
+            embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), src_data_rank=None
+        )
         if family.has_lm_head:
             head = pretrained.get_output_embeddings()
             tied = head.weight is embed.weight or getattr(pretrained.config, "tie_word_embeddings", False)
@@ -209,8 +232,9 @@ def parallelize(family: ModelFamily, layout) -> None:
                         for proj in ("q_proj", "k_proj", "v_proj"):
                             parallelize_module(getattr(child, proj), mesh, ColwiseParallel(), src_data_rank=None)
                         out = "out_proj" if hasattr(child, "out_proj") else "o_proj"
-                        parallelize_module(getattr(child, out), mesh, RowwiseParallel(output_layouts=Shard(1)),
-                                           src_data_rank=None)
+                        parallelize_module(
+                            getattr(child, out), mesh, RowwiseParallel(output_layouts=Shard(1)), src_data_rank=None
+                        )
                         names = ("hidden_states", "key_value_states") if name == "encoder_attn" else ("hidden_states",)
                         _gather_block(child, mesh, names)
                     elif name == "fc1":
@@ -249,4 +273,5 @@ def gather_tp(x: torch.Tensor, mesh) -> torch.Tensor:
 
 def _matches(name: str, pattern: str) -> bool:
     import fnmatch
+
     return fnmatch.fnmatch(name, pattern)

@@ -29,8 +29,17 @@ from ..families import ModelFamily
 SHARDING = ("colwise", "rowwise")
 REPLICATED = "replicated_with_grad_allreduce"
 GATHERED = ("self_attn", "mlp")  # the blocks tensor_parallel.py gathers the sequence for
-LAYER_INPUTS = ("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache_position",
-                "past_key_values", "cache", "use_cache", "output_attentions")
+LAYER_INPUTS = (
+    "hidden_states",
+    "position_embeddings",
+    "attention_mask",
+    "position_ids",
+    "cache_position",
+    "past_key_values",
+    "cache",
+    "use_cache",
+    "output_attentions",
+)
 
 
 def _refuse(why: str, fix: str = "use tp_size=1 (Ulysses / ring work for it)"):
@@ -68,7 +77,8 @@ def check(family: ModelFamily, layout) -> None:
     name = type(family.pretrained).__name__
     plan = plan_of(family)
     if plan and not any(style in SHARDING for style in plan.values()):
-        _refuse(f"{name}'s tensor-parallel plan shards no projection (only {', '.join(f'{k}: {v}' for k, v in plan.items())})")
+        styles = ", ".join(f"{k}: {v}" for k, v in plan.items())
+        _refuse(f"{name}'s tensor-parallel plan shards no projection (only {styles})")
     heads = {h for site in family.attention for h in (site.heads, site.kv_heads)}
     for path, layer in _layers(family):
         for block in GATHERED:
@@ -81,13 +91,17 @@ def check(family: ModelFamily, layout) -> None:
                 if p.dim() >= 2 and not _sharded(owner, plan) and not _replicated(owner, plan):
                     holder = module.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else module
                     per_head = f", one row per attention head {tuple(p.shape)}" if p.shape[0] in heads else ""
-                    _refuse(f"the plan does not shard {full} ({type(holder).__name__}{per_head}), a weight of a block "
-                            "whose sequence is gathered over the TP group")
+                    _refuse(
+                        f"the plan does not shard {full} ({type(holder).__name__}{per_head}), a weight of a block "
+                        "whose sequence is gathered over the TP group"
+                    )
     for path, inputs in family.layer_inputs.items():
         if inputs:
-            _refuse(f"{path} takes per-token inputs besides its hidden states ({', '.join(inputs)}) outside its "
-                    "attention and MLP blocks; they come whole from the embedding region and would meet the layer's "
-                    "TP slice of the sequence")
+            _refuse(
+                f"{path} takes per-token inputs besides its hidden states ({', '.join(inputs)}) outside its "
+                "attention and MLP blocks; they come whole from the embedding region and would meet the layer's "
+                "TP slice of the sequence"
+            )
 
 
 class _Copy:
@@ -128,13 +142,16 @@ def layer_inputs(family: ModelFamily, recorder_calls: dict, prefix: str) -> dict
         calls = recorder_calls.get(full)
         if not calls:
             continue
-        params = [n for n, p in inspect.signature(layer.forward).parameters.items()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        inside = {}  # fingerprint values -> whether every module taking them sits in a gathered block
+        params = [
+            n
+            for n, p in inspect.signature(layer.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        inside: dict[tuple, bool] = {}  # fingerprint values -> every module taking them sits in a gathered block
         for name, sub_calls in recorder_calls.items():
             if not name.startswith(full + ".") or not sub_calls:
                 continue
-            gathered = name[len(full) + 1:].split(".")[0] in GATHERED
+            gathered = name[len(full) + 1 :].split(".")[0] in GATHERED
             for fp in sub_calls[0]["in"].values():
                 key = (fp.values.shape, round(float(fp.values.double().sum()), 6))
                 inside[key] = inside.get(key, True) and gathered
