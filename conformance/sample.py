@@ -2,8 +2,8 @@
 variant (padded, packed, generate) represented, the 4-rank hybrid on three classes (Llama, Gemma 3, Marian),
 and a row for each fix of conformance/results/diagnosis.md (its group noted), some on a variant
 ("<model_type>:<name>", overrides.VARIANTS) that switches on the structure the defaults leave off. Rows
-that fail today are listed in KNOWN_FAILURES with their root cause (xfail(strict=True) there, so a fix
-shows as XPASS): Gemma 4's and Moshi's generate rows.
+that fail are listed in KNOWN_FAILURES with their root cause (xfail(strict=True) there, so a fix shows as
+XPASS); none today (Gemma 4's and Moshi's generate rows, diagnosis.md M1 / M2, were the last).
 
 Structures: plain decoder with GQA (Llama), q/k norm + sliding window (Qwen3), window (Mistral), sliding:full
 pattern (Gemma 3), KV-shared layers (Gemma 3n; Gemma 4 with partial rotary and wider global heads), MoE
@@ -117,14 +117,7 @@ EXPECT_REFUSED: dict[tuple, str] = {
 
 # rows that fail today, by (model_type, layout, variant), with their root cause: xfail(strict=True) in
 # tests/test_zoo_sample.py
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    ("gemma4_text", "ulysses", G): "CRASHED: Gemma 4's KV-shared layers slice the prompt forward to logits_to_keep "
-    "(Gemma4TextModel._maybe_slice_kv_shared_inputs) and index the mask mapping, which holds seqpar_hf's "
-    "DeferredMask objects under SP ('DeferredMask' object is not subscriptable); conformance/results/diagnosis.md",
-    ("moshi", "ulysses", G): "WRONG: MoshiModel's masks are full causal, but its DynamicCache(config=...) keeps "
-    "only the last sliding_window keys while decoding; seqpar_hf's sharded cache keeps every key (windows read "
-    "off the masks only), so tokens part from the second step; conformance/results/diagnosis.md",
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 # refusals that do not say why (the sample test asks every REFUSED row for a clear message)
 UNCLEAR_REFUSALS: dict[tuple[str, str, str], str] = {}
 

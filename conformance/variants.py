@@ -18,6 +18,7 @@ Each variant: `prepare(model)` -> the model it runs (before the unpatched copy i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,7 +88,22 @@ def reference_run(model, batch: dict) -> dict:
     model.eval()
     with torch.no_grad():
         logits = model(**eval_inputs(model, batch)).logits
-    return {"loss": loss.detach(), "grads": grads, "logits": logits}
+        last = _last_logits(model, batch)
+    return {"loss": loss.detach(), "grads": grads, "logits": logits, "last": last}
+
+
+def _last_logits(model, batch: dict) -> torch.Tensor | None:
+    """Eval logits with `logits_to_keep=1` at the rows whose last position is real (a model may slice its
+    own positions by it: Gemma 4 before its KV-shared layers); None where the forward does not take it."""
+    if is_seq2seq(model) or "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return None
+    return _last_rows(model, batch)
+
+
+def _last_rows(model, batch: dict) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    rows = slice(None) if mask is None else mask[:, -1].bool()
+    return model(**eval_inputs(model, batch), logits_to_keep=1).logits[rows]
 
 
 def padded_reference(model, batch: dict) -> tuple[dict, dict]:
@@ -116,6 +132,10 @@ def padded_patched(model, ref: dict, batch: dict, layout) -> dict:
         out = model(**eval_inputs(model, batch))
     logits = full(seqpar_hf.gather_logits(model, full(out.logits)))
     errors["logits_err"] = relative_error(*_real_positions(model, batch, logits, ref["logits"]))
+    if ref.get("last") is not None:  # the last position alone (logits_to_keep=1): the worse of the two
+        with torch.no_grad():
+            last = _last_rows(model, batch)  # the reference decided that the forward takes it
+        errors["logits_err"] = max(errors["logits_err"], relative_error(full(last), ref["last"]))
     return errors
 
 

@@ -164,3 +164,35 @@ def test_generation_settings_encode_canonically():
     assert json.loads(one)["sequence_bias"] == {"pairs": [[[11], 5.0], [[7, 8], -3.0]]}  # by the keys' text
     assert one != settings_text(settings({(11,): 4.0, (7, 8): -3.0}, 1.0))
     assert one != settings_text(settings({(11,): 5.0, (7, 8): -3.0}, 1.0, tensor=(5, 7)))
+
+
+def test_decoding_sees_what_the_unpatched_cache_keeps():
+    """A model whose masks are full causal but whose cache keeps a window (Moshi: config.sliding_window, no
+    layer_types) decodes over that window: each layer's window is the narrower of its attention's and of
+    the cache transformers' generate would build."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from seqpar_hf.models.generation.sharded_cache import narrower, unpatched_windows
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    assert unpatched_windows(LlamaForCausalLM(LlamaConfig(**small))) == [None, None]
+    assert unpatched_windows(MistralForCausalLM(MistralConfig(**small, sliding_window=5))) == [5, 5]
+    assert [narrower(a, b) for a, b in [(None, None), (3, None), (None, 4), (6, 4)]] == [None, 3, 4, 4]
+    cache = SequenceShardedCache(2, 0, windows=[3])
+    k = torch.randn(1, 1, 4, 2)
+    cache.begin_prefill(torch.tensor([0, 2, 4, 6]), None, 8)
+    cache.update(k, k, 0)
+    cache.end_prefill()
+    assert cache.reader(0, k, None).window == 3  # the mask has no window, the cache does
+    assert cache.reader(0, k, 8).window == 3 and cache.reader(0, k, 2).window == 2
+
+
+def test_a_deferred_mask_sliced_whole_is_itself():
+    """Gemma 4 slices its masks to `logits_to_keep` before its KV-shared layers; the sharded prompt forward
+    passes 0 (every position), which leaves the deferred mask as it is; any other slice is refused."""
+    from seqpar_hf.models.generation.decoding import DeferredMask
+
+    mask = DeferredMask((), {})
+    assert mask[:, :, slice(-0, None), :] is mask and mask[...] is mask
+    with pytest.raises(NotImplementedError, match="slices its attention mask"):
+        mask[:, :, slice(-1, None), :]

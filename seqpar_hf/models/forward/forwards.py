@@ -129,6 +129,10 @@ class BackboneForward(Wrapper):
         training = family.backbone.training
         device = ctx.positions["decoder"].device
         rng = per_rank_stream(layout.sp_rank, device) if training and layout.enabled else contextlib.nullcontext()
+        if kwargs.get("logits_to_keep") is not None and isinstance(kwargs["logits_to_keep"], int):
+            # a backbone that slices its own positions to the last ones (Gemma 4's KV-shared layers) would
+            # keep each shard's last tokens: it computes all of them; the head slices the gathered outputs
+            kwargs["logits_to_keep"] = 0
         if session is not None:
             session.begin_prefill(ctx)  # the attention modules store their local K/V in the sharded cache
         try:

@@ -24,7 +24,7 @@ from ...attention import decode
 from ...parallel.layout import ParallelLayout
 from ...parallel.sharding import ShardPlan
 from ..forward.context import CONTEXT_KWARG, ForwardContext
-from .sharded_cache import SequenceShardedCache
+from .sharded_cache import SequenceShardedCache, narrower
 
 _MISSING = object()
 
@@ -47,6 +47,19 @@ class DeferredMask:
 
     def __init__(self, args: tuple, kwargs: dict):
         self.args, self.kwargs, self.value = args, kwargs, _MISSING
+
+    def __getitem__(self, key):
+        """A model that slices its masks along the queries (Gemma 4 before its KV-shared layers, to the
+        `logits_to_keep` last positions) gets the same mask back when the slice keeps every position, as
+        in the sharded prompt forward (`BackboneForward` passes `logits_to_keep=0`); the attention of a
+        sharded forward reads no mask."""
+        keys = key if isinstance(key, tuple) else (key,)
+        if all(k is Ellipsis or (isinstance(k, slice) and k.start in (None, 0) and k.stop is None) for k in keys):
+            return self
+        raise NotImplementedError(
+            f"generate under sequence parallelism: the model slices its attention mask ({key!r}); "
+            "generate without SP (`with seqpar_hf.sp_disabled(model):`)"
+        )
 
     def build(self, implementation: str):
         if self.value is _MISSING:
@@ -156,5 +169,5 @@ def after_prefill_attention(state, module, sliding_window) -> None:
     if session is not None and session.cache is not None:
         layer = session.cache.layer(module.layer_idx)  # None: a KV-shared layer, whose owner trims its shard
         if layer is not None:
-            layer.set_window(sliding_window)
+            layer.set_window(narrower(sliding_window, layer.cache_window))
             layer.evict()

@@ -34,7 +34,7 @@ from ..forward.inputs import shard_source
 from ..forward.state import PatchState
 from .decoding import DecodeSession
 from .generation_check import check_same_generation
-from .sharded_cache import SequenceShardedCache
+from .sharded_cache import SequenceShardedCache, unpatched_windows
 
 # generate's own parameters besides the model and generation-config keywords
 _GENERATE_ARGUMENTS = (
@@ -90,7 +90,7 @@ def generate(state: PatchState, original, kwargs: dict):
     if kwargs.get("inputs") is not None and kwargs.get("input_ids") is None:
         kwargs["input_ids"] = kwargs.pop("inputs")
     error: Exception | None = None
-    config, settings = None, {}
+    config, settings, windows = None, {}, None
     try:
         config, _ = _compat.prepare_generation_config(
             model, kwargs.get("generation_config"), {k: v for k, v in kwargs.items() if k not in _GENERATE_ARGUMENTS}
@@ -104,6 +104,8 @@ def generate(state: PatchState, original, kwargs: dict):
             error = NotImplementedError(f"generate under sequence parallelism: {reason}{_FIX}")
         else:
             _validate(state, kwargs, device)
+            if state.family.kind != "seq2seq":
+                windows = unpatched_windows(model)
     except Exception as exc:  # noqa: BLE001 - an argument transformers rejects: every rank must still reach the check
         error = exc
     rng = _rng_state(device) if config is not None and config.do_sample else None
@@ -128,7 +130,7 @@ def generate(state: PatchState, original, kwargs: dict):
         if state.family.kind == "seq2seq":
             call["encoder_outputs"], session.source_plan = _encode(state, call, device)
         else:
-            session.cache = SequenceShardedCache(layout.sp_size, layout.sp_rank)
+            session.cache = SequenceShardedCache(layout.sp_size, layout.sp_rank, windows)
             call[_cache_argument(model)] = session.cache
         if config.cache_implementation is not None:  # "dynamic" (checked): the cache above replaces it
             call["cache_implementation"] = None

@@ -12,6 +12,10 @@ It fits transformers' `Cache` API, so `generate` runs unchanged around it:
 - beam search reorders the batch dim of the local shard;
 - keys that no later query can see (outside every layer's sliding window) are dropped, so a windowed
   model's cache stays bounded as unpatched transformers' sliding-window cache is;
+- a decoding step sees what the unpatched model's own cache keeps as well as what its masks allow: a
+  model may build full causal masks and still decode over a `DynamicSlidingWindowLayer` (Moshi: its
+  config's `sliding_window` makes every cache layer keep that many keys), so each layer's window is the
+  narrower of its attention's and its unpatched cache layer's (`unpatched_windows`);
 - a layer that stores no K/V and attends over another layer's (Gemma 3n's KV-shared layers) reads that
   layer's shard: found by identity, as the tensors its `update` returned this step (`reader`).
 The attention over the shards is `seqpar_hf.attention.decode`; the prefill that fills them is the
@@ -32,9 +36,10 @@ class ShardedLayer(CacheLayerMixin):
     is_sliding = False  # the window is applied by index in attention, not by the cache's shape
     is_croppable = False
 
-    def __init__(self, sp_size: int, sp_rank: int):
+    def __init__(self, sp_size: int, sp_rank: int, cache_window: int | None = None):
         super().__init__()
         self.sp_size, self.sp_rank = sp_size, sp_rank
+        self.cache_window = cache_window  # the keys the unpatched model's cache layer keeps while decoding
         self.index: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.seen = 0  # global tokens this layer has been given (prompt + generated)
@@ -153,9 +158,10 @@ class SequenceShardedCache(Cache):
 
     layers: list[ShardedLayer]  # type: ignore[assignment]  # this cache makes every layer itself (update)
 
-    def __init__(self, sp_size: int, sp_rank: int):
+    def __init__(self, sp_size: int, sp_rank: int, windows: list[int | None] | None = None):
         super().__init__(layers=[])
         self.sp_size, self.sp_rank = sp_size, sp_rank
+        self.windows = windows or []  # per layer, the unpatched cache's window (`unpatched_windows`)
         # (index [n], valid [b or 1, n] | None, length) while the prefill runs
         self._prompt: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
 
@@ -168,7 +174,10 @@ class SequenceShardedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            self.layers.append(ShardedLayer(self.sp_size, self.sp_rank))
+            i = len(self.layers)
+            self.layers.append(
+                ShardedLayer(self.sp_size, self.sp_rank, self.windows[i] if i < len(self.windows) else None)
+            )
         layer = self.layers[layer_idx]
         if self._prompt is not None and layer.keys is None:
             return layer.prefill(key_states, value_states, *self._prompt)
@@ -186,10 +195,10 @@ class SequenceShardedCache(Cache):
         window sees)."""
         own = self.layer(layer_idx)
         if own is not None:
-            own.set_window(window)
+            own.set_window(narrower(window, own.cache_window))
             return own
         shared = next((layer for layer in self.layers if layer.keys is key), None)
-        if shared is not None and shared.window == (None if window is None else int(window)):
+        if shared is not None and shared.window == narrower(window, shared.cache_window):
             return shared
         why = (
             "attends over keys that are no layer's cache shard as updated this step"
@@ -206,3 +215,25 @@ class SequenceShardedCache(Cache):
     def local_bytes(self) -> int:
         """Bytes of K/V this rank holds (the shard)."""
         return sum(layer.local_bytes() for layer in self.layers)
+
+
+def narrower(a: int | None, b: int | None) -> int | None:
+    """The narrower of two sliding windows (None: no window)."""
+    return b if a is None else a if b is None else min(int(a), int(b))
+
+
+def unpatched_windows(model) -> list[int | None]:
+    """Per layer, the window of the cache transformers' `generate` would build for `model` (a
+    `DynamicCache` from the decoder's config, as `_prepare_cache_for_generation` does for the cache
+    implementations generate under SP accepts): the keys a decoding step can see besides its mask."""
+    from transformers.cache_utils import DynamicCache
+
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():  # the model supplies its own cache (none here)
+        return []
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    windows = [
+        getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+        for layer in cache.layers
+    ]
+    return [None if w is None else int(w) for w in windows]
