@@ -51,8 +51,13 @@ def refusals(results):
         ("kv-heads", "4 query and 1 key/value heads, not divisible by tp_size=2.*tp_size dividing 1"),
         ("heads", "3 query and 3 key/value heads, not divisible by tp_size=2"),
         ("fused-qkv", "Phi3ForCausalLM's plan entry 'layers.\\*.self_attn.qkv_proj'.*not supported.*tp_size=1"),
-        # transformers 5.24's plan names the experts; 5.25's leaves the router unsharded: refused either way
-        ("experts", "MixtralForCausalLM's plan entry.*experts.*not supported|does not shard layers.0.mlp.gate.weight"),
+        # transformers 5.24's plan names the experts; 5.25's leaves the router unsharded: refused either way, and its
+        # rows not called heads (they are experts)
+        (
+            "experts",
+            "MixtralForCausalLM's plan entry.*experts.*not supported"
+            "|does not shard layers.0.mlp.gate.weight \\(\\w+ \\(",
+        ),
         ("world", "world size 2 is not divisible by sp_size x tp_size = 2 x 2 = 4"),
         ("inputs-embeds", "inputs_embeds with tensor parallelism.*pass input_ids"),
     ],

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 import seqpar_hf
+from seqpar_hf.models.generation import sharded_cache
 
 from ..helpers.models import SEQ2SEQ, VOCAB, build_model, relative_error
 
@@ -117,7 +118,12 @@ def run_case(case: dict) -> dict:
         **(_objects() if case.get("objects") else {}),
     )
     torch.manual_seed(11)  # sampling: the same seed on every rank, and for the reference
-    out = model.generate(**inputs, **kwargs)
+    every = sharded_cache.EVICT_EVERY
+    sharded_cache.EVICT_EVERY = case.get("evict", every)  # short runs reach the periodic eviction
+    try:
+        out = model.generate(**inputs, **kwargs)
+    finally:
+        sharded_cache.EVICT_EVERY = every
     torch.manual_seed(11)
     want = reference.generate(**inputs, **kwargs)
     tokens = [None] * layout.sp_size
@@ -164,12 +170,12 @@ def _cases(world: int) -> list[dict]:
             dict(base, name="ulysses-llama-sample", family="llama", sample=True),
             dict(base, name="ring-qwen2-window-greedy", family="qwen2", mode="ring", model=qwen_window),
             dict(base, name="ulysses-mistral-window-beam4", family="mistral", model=window, beams=4),
-            # past the periodic eviction of out-of-window keys (every 64 steps)
-            dict(base, name="ring-mistral-window-70-tokens", family="mistral", mode="ring", model=window, new=70),
+            # past the periodic eviction of out-of-window keys (every 64 steps; every 6 here, twice in 14 tokens)
+            dict(base, name="ring-mistral-evicting", family="mistral", mode="ring", model=window, new=14, evict=6),
             dict(base, name="ulysses-llama-sequence-bias-and-processor-objects", family="llama", objects=True),
-            # KV-shared layers read another layer's cache shard; 70 tokens: past the periodic eviction
+            # KV-shared layers read another layer's cache shard, also past the periodic eviction
             dict(base, name="ring-gemma3n-kv-shared-beam4", family="gemma3n", mode="ring", model=window, beams=4),
-            dict(base, name="ulysses-gemma3n-kv-shared-70-tokens", family="gemma3n", model=window, new=70),
+            dict(base, name="ulysses-gemma3n-kv-shared-evicting", family="gemma3n", model=window, new=14, evict=6),
             # latent attention: v's head width apart from q/k's, a sharded cache of the latents
             dict(base, name="ring-deepseek_v3-greedy", family="deepseek_v3", mode="ring"),
         ]

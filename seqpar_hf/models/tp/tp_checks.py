@@ -90,7 +90,12 @@ def check(family: ModelFamily, layout) -> None:
                 owner = full.rsplit(".", 1)[0]
                 if p.dim() >= 2 and not _sharded(owner, plan) and not _replicated(owner, plan):
                     holder = module.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else module
-                    per_head = f", one row per attention head {tuple(p.shape)}" if p.shape[0] in heads else ""
+                    # rows that may be heads only in the attention block (an MoE router's rows are experts)
+                    per_head = (
+                        f", one row per attention head {tuple(p.shape)}"
+                        if block == "self_attn" and p.shape[0] in heads
+                        else f" {tuple(p.shape)}"
+                    )
                     _refuse(
                         f"the plan does not shard {full} ({type(holder).__name__}{per_head}), a weight of a block "
                         "whose sequence is gathered over the TP group"
