@@ -49,5 +49,8 @@ def test_parity(results, size, name):
             continue
         assert r["loss_err"] < tol, r
         assert r["grad_err"] < tol, r
+        if case.get("patch", {}).get("offload_activations"):  # every checkpointed layer's input went and came back
+            moved, restored = r["offloaded"]
+            assert moved > 0 and moved == restored, r
         # the loss is the same number on every rank of the SP group
         assert len(set(r["group_losses"])) == 1, r

@@ -400,3 +400,36 @@ def test_old_flag_spelling_is_the_same_flag(capsys):
     old = capsys.readouterr().out
     plan.main([*RUN, "--kv-heads", "4", "--head-dim", "64"])
     assert capsys.readouterr().out == old and "32/4 heads" in old
+
+
+def test_offload_and_tiled_mlp_fit_llama_3_8b_at_4m_tokens_on_8_ranks(capsys):
+    """ALST (arXiv 2506.13996): 3.8M tokens with both on 8 x H100 80GB; neither alone reaches 4M."""
+    argv = ["--model", "llama-3-8b", "--seq-len", "4194304", "--gpus", "8", "--gpu-memory", "80"]
+    assert plan.main(argv) is None
+    assert plan.main([*argv, "--offload-activations"]) is None
+    assert plan.main([*argv, "--tiled-mlp"]) is None
+    best = plan.main([*argv, "--offload-activations", "--tiled-mlp"])
+    assert best is not None and best.layout.sp == 8 and best.layout.offload and best.layout.tiled_mlp
+    out = capsys.readouterr().out
+    assert "--sp_offload_activations --sp_tiled_mlp true" in out
+    assert "GiB of pinned host memory per node (8 ranks)" in out and "hidden behind the compute" in out
+
+
+def test_offload_says_when_the_copies_outlast_the_compute():
+    from seqpar_hf.plan import offload
+    from seqpar_hf.plan.configs import load_model
+    from seqpar_hf.plan.memory import Layout, Model
+
+    layout = Layout(8, checkpointing=True, offload=True)
+    big = offload.traffic(load_model("llama-3-8b"), layout, 8192, 8, 2)
+    assert big.hidden and big.pcie_bytes_per_step == 2 * 32 * 1024 * 4096 * 2  # both ways, each layer's [s/sp, h]
+    # a narrow model computes too little per byte of its layer inputs (~24 h^2 flops per token and layer)
+    small = offload.traffic(Model(256, 8, 4, 4, 64, 1024, 32000), layout, 2048, 8, 2)
+    assert not small.hidden and "SLOWER than the compute it overlaps" in offload.describe(small)
+
+
+def test_offload_needs_checkpointing():
+    from seqpar_hf.plan.memory import Layout
+
+    with pytest.raises(ValueError, match="offload: the offloaded tensors are the checkpointed layer inputs"):
+        Layout(8, offload=True)

@@ -18,6 +18,8 @@ import torch
 
 from .. import _compat
 from ..attention.ulysses import split_heads
+from ..memory.offload import LayerInputOffload, OffloadLayers
+from ..memory.tiled_mlp import TiledMLPs
 from ..parallel import announce, auto
 from ..parallel.comm import all_gather_cat
 from ..parallel.layout import ParallelLayout
@@ -29,6 +31,7 @@ from .forward.sites import AttentionSite, LocalSite, set_site
 from .forward.state import ATTN_NAME, PatchState, TiledLoss, attach, detach, state_of
 from .generation.generate import GenerateSP
 from .proof.inspection import inspect_model
+from .proof.mlps import find_mlps
 from .registry import register
 from .tp import tensor_parallel, tp_checks
 
@@ -41,6 +44,8 @@ def patch_model(
     tiled_loss: bool | str = "auto",
     tiled_min_elements: int = TILED_LOSS_MIN_ELEMENTS,
     tiled_chunk_elements: int = TILED_LOSS_CHUNK_ELEMENTS,
+    offload_activations: bool = False,
+    tiled_mlp: bool | int | str = False,
 ):
     """Make `model` (this instance) sequence-parallel over `layout`'s SP group and return it.
 
@@ -60,6 +65,14 @@ def patch_model(
     `tiled_min_elements` (2^26) elements; True: always; False: never. Evaluation never tiles.
     A `mode="auto"` layout is resolved for this model's heads into a new layout (`layout_of(model)`; the
     reason is logged and kept in its `auto_choice`); `layout` itself stays as built.
+    `offload_activations`: the layer inputs gradient checkpointing keeps go to host memory in the forward and
+    come back for the backward's recompute (bit-identical; needs gradient checkpointing: a training forward
+    without it raises). `tiled_mlp`: every layer's MLP runs over sequence tiles, its [tokens, ffn]
+    intermediates one tile's (exact within fp32 rounding; `memory/tiled_mlp.py`): True (tiles of hidden-size
+    tokens; refuses a layer whose MLP cannot be shown token-local), an int (tokens per tile), "auto" (where a
+    rank's intermediate would hold >= 2^26 elements, MLPs that cannot be tiled left whole with a warning), or
+    False (the default: a tiled MLP runs its forward once more in the backward, worth it only at lengths
+    where the intermediates, not the layer inputs, are what does not fit).
     """
     state = state_of(model)
     if state is not None:
@@ -89,6 +102,7 @@ def patch_model(
             "tiled_loss='auto' (off under TP) or False"
         )
     _check_tiled_head(family, tiled_loss)
+    mlps = _tiled_mlps(family, tiled_mlp, tp, offload_activations)
     if tp > 1:
         tensor_parallel.check(family, layout)
         tp_checks.check(family, layout)
@@ -113,6 +127,7 @@ def patch_model(
     for site in family.local_attention:
         set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)
+    _install_memory(state, family, mlps, tiled_mlp, offload_activations)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))
     if family.has_lm_head and lm_loss:
         _replace(state, model, "forward", LMForward(state, model.forward))
@@ -236,6 +251,50 @@ def _check_tiled_head(family: ModelFamily, tiled_loss) -> None:
         f"seqpar_hf: {why}; the loss is computed from full logits (tiled_loss='auto' does not tile this model)",
         stacklevel=3,
     )
+
+
+def _tiled_mlps(family: ModelFamily, tiled_mlp, tp: int, offload_activations) -> list:
+    """Validate the memory options; the MLPs to tile (models/proof/mlps.py)."""
+    if not isinstance(offload_activations, bool):
+        raise ValueError(f"offload_activations must be True or False, got {offload_activations!r}")
+    is_int = isinstance(tiled_mlp, int) and not isinstance(tiled_mlp, bool)
+    if not (
+        isinstance(tiled_mlp, bool)
+        or (isinstance(tiled_mlp, str) and tiled_mlp == "auto")
+        or (is_int and tiled_mlp >= 1)
+    ):
+        raise ValueError(f"tiled_mlp={tiled_mlp!r}: use True, False, 'auto' or a positive number of tokens per tile")
+    if tiled_mlp is False or (tiled_mlp == "auto" and tp > 1):
+        return []
+    if tp > 1:
+        raise ValueError(
+            f"tiled_mlp={tiled_mlp!r} with tp_size={tp}: a tensor-parallel MLP reduce-scatters each call's sequence "
+            "over the TP group, so tiles would interleave the ranks' slices; use tiled_mlp=False or 'auto' (off "
+            "under TP)"
+        )
+    mlps, skipped = find_mlps(family, required=tiled_mlp != "auto")
+    if skipped:
+        warnings.warn(f"seqpar_hf: tiled_mlp='auto' leaves these MLPs whole: {'; '.join(skipped)}", stacklevel=4)
+    return mlps
+
+
+def _install_memory(state: PatchState, family: ModelFamily, mlps: list, tiled_mlp, offload: bool) -> None:
+    """The tiled MLPs and the offload of checkpointed layer inputs (seqpar_hf/memory/); undone by unpatch_model."""
+    if mlps:
+        tiled = TiledMLPs()
+        tile = None if isinstance(tiled_mlp, bool) or isinstance(tiled_mlp, str) else int(tiled_mlp)
+        state.tiled_mlp_setting = {True: -1, "auto": -2}.get(tiled_mlp, tile or 0)  # compared across the replica
+        for _, module in mlps:
+            width = max(size for p in module.parameters() for size in p.shape)  # the intermediate's width
+            tiled.install(module, tile, tiled_mlp == "auto", width)
+        state.tiled_mlps = [name for name, _ in mlps]
+        state.hooks.append(tiled)
+    if offload:
+        layers = [m for m in family.backbone.modules() if hasattr(m, "gradient_checkpointing")]
+        state.offload = LayerInputOffload()
+        installer = state.offload_layers = OffloadLayers(state.offload, layers, type(family.pretrained).__name__)
+        state.hooks.append(family.backbone.register_forward_pre_hook(installer, with_kwargs=True))
+        state.hooks.append(installer)
 
 
 def _replace(state: PatchState, obj, name: str, value) -> None:

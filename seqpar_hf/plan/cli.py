@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from . import checks, howto
+from . import checks, howto, offload
 from .checks import GIB, SIZES
 from .configs import FAMILY, KNOWN, load_model
 from .measured import validate
@@ -59,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="bf16",
         help="activations' precision (bf16: bf16 weights with fp32 master weights, gradients, moments)",
     )
+    parser.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="also count checkpointed layouts whose layer inputs wait in host memory (--sp_offload_activations)",
+    )
+    parser.add_argument(
+        "--tiled-mlp",
+        action="store_true",
+        help="also count layouts whose MLP runs over sequence tiles of hidden-size tokens (--sp_tiled_mlp)",
+    )
     parser.add_argument("--all", action="store_true", help="print every layout, not only the best per sp x tp")
     return parser
 
@@ -107,18 +117,23 @@ def main(argv=None):
         parser.error(f"{', '.join(missing)} required")
     model, budget = check_args(parser, args)
     elem = 2 if args.dtype == "bf16" else 4  # bytes per element
-    rows = [plan(model, layout, args.seq_len, args.gpus, elem, args.batch) for layout in layouts(model, args.gpus)]
+    candidates = layouts(model, args.gpus, args.offload_activations, args.tiled_mlp)
+    rows = [plan(model, layout, args.seq_len, args.gpus, elem, args.batch) for layout in candidates]
     print(
         f"model: {model.params / 1e9:.2f}B parameters ({model.layers} layers, hidden {model.hidden}, "
         f"{model.heads}/{model.kv_heads} heads, ffn {model.ffn}, vocab {model.vocab}); {args.seq_len} tokens x "
         f"{args.batch}; {args.gpus} ranks of {args.gpu_memory:g} GiB ({budget / GIB:.1f} usable); {args.dtype}"
     )
     shown = rows if args.all else best_per_group(rows, budget)
-    print(f"{'layout':44s} {'states':>8s} {'fsdp':>7s} {'activ.':>8s} {'logits':>8s} {'comm':>7s} {'peak GiB':>9s}  at")
+    width = max([44] + [len(r.layout.describe()) for r in shown])
+    print(
+        f"{'layout':{width}s} {'states':>8s} {'fsdp':>7s} {'activ.':>8s} {'logits':>8s} {'comm':>7s} "
+        f"{'peak GiB':>9s}  at"
+    )
     for r in shown:
         p = r.parts
         print(
-            f"{r.layout.describe():44s} {p['states'] / GIB:8.2f} {p['fsdp_gathered'] / GIB:7.2f} "
+            f"{r.layout.describe():{width}s} {p['states'] / GIB:8.2f} {p['fsdp_gathered'] / GIB:7.2f} "
             f"{p['activations'] / GIB:8.2f} {p['logits'] / GIB:8.2f} {p['communication'] / GIB:7.2f} "
             f"{r.peak / GIB:9.2f}  {r.moment}{'' if r.peak <= budget else '  (does not fit)'}"
         )
@@ -141,6 +156,8 @@ def main(argv=None):
             f"recommended: {best.layout.describe()}, dp={dp}, FSDP over {dp * best.layout.sp} ranks; "
             f"peak {best.peak / GIB:.1f} GiB of {budget / GIB:.1f}"
         )
+        if best.layout.offload:
+            print(offload.describe(offload.traffic(model, best.layout, args.seq_len, args.gpus, elem, args.batch)))
         logits = args.batch * -(-args.seq_len // best.layout.sp) * model.vocab  # one rank's [tokens, vocab]
         print("\n".join(howto.run_lines(best.layout, args.gpus, args.dtype, logits)))
     return best

@@ -10,7 +10,8 @@ LEGEND = """columns: GiB per rank at the step's highest moment, named in "at"
   states    weights and AdamW moments, plus the gradients that exist at that moment; sharded by FSDP over dp x sp
             and split by tp
   fsdp      parameters FSDP holds gathered then: the root's embeddings and head, and one layer
-  activ.    activations saved for backward (with checkpointing: one input per layer, and the layer recomputed)
+  activ.    activations saved for backward (with checkpointing: one input per layer, and the layer recomputed;
+            with offload: two layer inputs, the rest in host memory; with a tiled MLP: one tile's intermediates)
   logits    the loss's [tokens, vocab] fp32 tensors; with the tiled loss, one chunk of them
   comm      buffers in flight: Ulysses all-to-all, ring K/V blocks, TP all-gathered inputs
   peak GiB  their sum (at the optimizer step also its temporaries); "(does not fit)": above the usable memory"""
@@ -34,6 +35,8 @@ def run_lines(layout: Layout, gpus: int, dtype: str, logits_per_rank: int) -> li
         [f"--sp_size {sp}"] + ([f"--sp_mode {layout.mode}"] if sp > 1 else []) + ([f"--tp_size {tp}"] if tp > 1 else [])
     )
     flags += [checkpointing_flag()] if layout.checkpointing else []
+    flags += ["--sp_offload_activations"] if layout.offload else []
+    flags += ["--sp_tiled_mlp true"] if layout.tiled_mlp else []
     flags += ["--bf16"] if dtype == "bf16" else []
     tiled = layout.tiled and tp == 1
     shards = gpus // tp  # ranks holding the same weights: dp x sp
@@ -49,8 +52,11 @@ def run_lines(layout: Layout, gpus: int, dtype: str, logits_per_rank: int) -> li
             f"  (FSDP2 over dp x sp = {shards} ranks)"
         )
     args = [f"sp_size={sp}"] + ([f"mode={layout.mode!r}"] if sp > 1 else []) + ([f"tp_size={tp}"] if tp > 1 else [])
-    call = f"layout = seqpar_hf.ParallelLayout({', '.join(args)}); seqpar_hf.patch_model(model, layout" + (
-        ", tiled_loss=True)" if tiled else ")"
+    options = [", tiled_loss=True"] if tiled else []
+    options += [", offload_activations=True"] if layout.offload else []
+    options += [", tiled_mlp=True"] if layout.tiled_mlp else []
+    call = (
+        f"layout = seqpar_hf.ParallelLayout({', '.join(args)}); seqpar_hf.patch_model(model, layout{''.join(options)})"
     )
     call += "; model.gradient_checkpointing_enable()" if layout.checkpointing else ""
     call += "; seqpar_hf.training.fsdp.shard_model(model, layout)" if shards > 1 else ""

@@ -79,17 +79,23 @@ class Layout:
     checkpointing: bool = False
     tiled: bool = False
     fsdp: bool = True  # over dp x sp when more than one rank holds the weights
+    offload: bool = False  # checkpointed layer inputs in host memory (seqpar_hf/memory/offload.py)
+    tiled_mlp: bool = False  # the MLP over tiles of hidden-size tokens (seqpar_hf/memory/tiled_mlp.py)
 
     def __post_init__(self):
         checks.positive_int("sp", self.sp)
         checks.positive_int("tp", self.tp)
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}: the planner counts one of {', '.join(map(repr, MODES))}")
+        if self.offload and not self.checkpointing:
+            raise ValueError("offload: the offloaded tensors are the checkpointed layer inputs; needs checkpointing")
 
     def describe(self) -> str:
         parts = [f"sp={self.sp}" + (f" {self.mode}" if self.sp > 1 else ""), f"tp={self.tp}"]
         parts += ["checkpointing"] if self.checkpointing else []
         parts += ["tiled loss"] if self.tiled else []
+        parts += ["offload"] if self.offload else []
+        parts += ["tiled MLP"] if self.tiled_mlp else []
         return ", ".join(parts)
 
 
@@ -153,11 +159,17 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
     # Llama layer, elements per token: 2 RMSNorms (input, normed x rsqrt: 2h + 1 each), q/k/v
     # projections' shared input (h), rotary q and k, v, SDPA output and log-sum-exp, o_proj input,
     # gate/up outputs, SiLU output and product (4 ffn)
-    per_layer = 2 * (2 * h + 1) + h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + 4 * ffn
+    # the tiled MLP keeps only its input (counted with the norms); one tile's intermediates live while it runs:
+    # gate/up outputs, SiLU output and product, and in backward two gradients of them (6 ffn per tile token)
+    mlp = 0.0 if layout.tiled_mlp else 4 * ffn
+    per_layer = 2 * (2 * h + 1) + h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + mlp
     if tp > 1:  # TP+SP: norms sharded by tp, the all-gathered inputs of q and gate kept whole
-        per_layer = (2 * (2 * h + 1)) / tp + 2 * h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + 4 * ffn
+        per_layer = (2 * (2 * h + 1)) / tp + 2 * h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + mlp
+    tile = min(local, h) * 6 * ffn * e if layout.tiled_mlp else 0.0
     final = 2 * h + 1  # final norm
-    saved = (m.layers * h if layout.checkpointing else m.layers * per_layer) + final
+    # checkpointed inputs on the device: every layer's, or with offload the one being copied and the one prefetched
+    kept = min(2, m.layers) * h if layout.offload else m.layers * h
+    saved = (kept if layout.checkpointing else m.layers * per_layer) + final
     tiled = layout.tiled and tp == 1
     if tiled:
         chunk = min(local, max(1, TILED_LOSS_CHUNK_ELEMENTS // m.vocab)) * m.vocab
@@ -166,7 +178,7 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
         logits_bytes = 4 * chunk * 4 + 2 * local * h * e + 2 * local * 8
     else:  # cross-entropy's log-softmax saved (fp32), then in backward its gradient and the logits'
         logits_bytes = 3 * local * m.vocab * 4
-    activations = local * saved * e
+    activations = local * saved * e + tile
 
     # -- communication buffers --------------------------------------------------------------------
     if sp > 1 and layout.mode == "ulysses":
@@ -192,7 +204,7 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
     recompute = dict(
         states=weights + moments + head_grad,
         fsdp_gathered=gathered,
-        activations=local * (m.layers * h + per_layer + 2 * ffn + h) * e,
+        activations=local * (kept + per_layer + (0 if layout.tiled_mlp else 2 * ffn) + h) * e + tile,
         logits=0.0,
         communication=0.0,
     )  # the recomputed forward's all-to-all buffers are freed by then

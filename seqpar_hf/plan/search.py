@@ -10,9 +10,11 @@ from . import checks
 from .memory import Breakdown, Layout, Model, plan
 
 
-def layouts(model: Model, gpus: int) -> list[Layout]:
+def layouts(model: Model, gpus: int, offload: bool = False, tiled_mlp: bool = False) -> list[Layout]:
     """Every layout `plan` can count on `gpus` ranks: sp x tp dividing them, tp dividing the heads,
-    Ulysses no wider than the heads, with and without checkpointing and the tiled loss."""
+    Ulysses no wider than the heads, with and without checkpointing and the tiled loss; with `offload`
+    also the checkpointed ones with their layer inputs in host memory, with `tiled_mlp` also a tiled MLP
+    (not under TP, where seqpar_hf refuses it)."""
     checks.positive_int("gpus", gpus)
     out = []
     for tp in (1, 2, 4, 8):
@@ -27,7 +29,9 @@ def layouts(model: Model, gpus: int) -> list[Layout]:
                     continue  # Ulysses splits the heads: no more ranks than heads
                 for checkpointing in (False, True):
                     for tiled in (False, True):
-                        out.append(Layout(sp, tp, mode, checkpointing, tiled))
+                        for off in (False, True) if offload and checkpointing else (False,):
+                            for mlp in (False, True) if tiled_mlp and tp == 1 else (False,):
+                                out.append(Layout(sp, tp, mode, checkpointing, tiled, offload=off, tiled_mlp=mlp))
     return out
 
 
@@ -37,11 +41,14 @@ def recommend(rows: list[Breakdown], budget: float) -> Breakdown | None:
     fitting = [r for r in rows if r.peak <= budget]
     if not fitting:
         return None
-    # fastest first: no recompute, fewest ranks per sequence, Ulysses (fewest bytes), no TP, then memory
+    # fastest first: no recompute, no offload, no MLP recompute, fewest ranks per sequence, Ulysses (fewest
+    # bytes), no TP, then memory
     return min(
         fitting,
         key=lambda r: (
             r.layout.checkpointing,
+            r.layout.offload,
+            r.layout.tiled_mlp,
             r.layout.sp * r.layout.tp,
             r.layout.mode != "ulysses",
             r.layout.tp,
@@ -57,7 +64,7 @@ def best_per_group(rows: list[Breakdown], budget: float) -> list[Breakdown]:
         group = [r for r in rows if (r.layout.sp, r.layout.tp, r.layout.mode) == key]
         fitting = [r for r in group if r.peak <= budget]
         out.append(
-            min(fitting, key=lambda r: (r.layout.checkpointing, r.peak))
+            min(fitting, key=lambda r: (r.layout.checkpointing, r.layout.offload, r.layout.tiled_mlp, r.peak))
             if fitting
             else min(group, key=lambda r: r.peak)
         )

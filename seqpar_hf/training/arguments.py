@@ -64,6 +64,22 @@ class SequenceParallelFields:
         },
     )
 
+    sp_offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the layer inputs gradient checkpointing saves in host memory (pinned, copied on a side "
+            "stream, prefetched a layer ahead of the backward); bit-identical. Needs --gradient_checkpointing."
+        },
+    )
+    sp_tiled_mlp: str = field(
+        default="false",
+        metadata={
+            "help": "Compute each layer's MLP over sequence tiles, recomputed in the backward, so its [tokens, ffn] "
+            "intermediates are one tile's: true (tiles of hidden-size tokens), N (tokens per tile), auto (where a "
+            "rank's intermediate has >= 2^26 elements), false."
+        },
+    )
+
     # transformers' default is 1800 s. A rank that stopped (raised, killed, other code) leaves the others waiting
     # this long in their next collective, and ParallelLayout gives its groups the same timeout; seqpar_hf's checks
     # make the usual disagreements errors before any collective, so what is left should fail in minutes.
@@ -85,6 +101,11 @@ class SequenceParallelFields:
     def _validate_layout(self):
         validate_sizes(self.world_size, self.sp_size, self.sp_mode, self.sp_ring_size, self.tp_size)
         self.head_chunks()  # a bad value fails here, not at the first forward
+        self.patch_options()
+
+    def patch_options(self) -> dict:
+        """The memory options patch_model takes from the flags (seqpar_hf/memory/)."""
+        return patch_options(self)
 
     def head_chunks(self) -> int | str:
         """`sp_head_chunks` as ParallelLayout takes it ("auto" or a positive int)."""
@@ -126,3 +147,16 @@ class SequenceParallelArguments(SequenceParallelFields, Seq2SeqTrainingArguments
             )
         if not isinstance(self.sp_generate_min_tokens, int) or self.sp_generate_min_tokens < 1:
             raise ValueError(f"sp_generate_min_tokens must be a positive integer, got {self.sp_generate_min_tokens!r}")
+
+
+def patch_options(args) -> dict:
+    """patch_model's offload_activations and tiled_mlp from `--sp_offload_activations` / `--sp_tiled_mlp` (the
+    defaults for arguments without them)."""
+    value = str(getattr(args, "sp_tiled_mlp", "false")).lower()
+    named = {"true": True, "false": False, "auto": "auto"}
+    if value not in named and not (value.isdigit() and int(value) > 0):
+        raise ValueError(f"sp_tiled_mlp={value!r}: use true, false, auto or a positive number of tokens per tile")
+    return dict(
+        offload_activations=bool(getattr(args, "sp_offload_activations", False)),
+        tiled_mlp=named[value] if value in named else int(value),
+    )

@@ -26,7 +26,7 @@ from ..parallel import announce
 from ..parallel.comm import group_size
 from ..parallel.layout import ParallelLayout
 from . import fsdp
-from .arguments import SequenceParallelArguments
+from .arguments import SequenceParallelArguments, patch_options
 from .generation import generate_in_slices, generate_under_sp, use_sp
 from .replica import ReplicaMixin, check_same_arguments
 from .saving import SafeCheckpointMixin, agree, attempt
@@ -64,7 +64,7 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
         # the layout's groups wait as long as the default group (ddp_timeout), not torch's 30 minutes
         if model is not None and not isinstance(model, str):
             if not is_patched(model):
-                patch_model(model, self.layout)
+                patch_model(model, self.layout, **patch_options(args))
             if self.layout.mode == "auto":  # the layout chosen for this model (an auto layout has no groups)
                 self.layout = layout_of(model) or self.layout
         self.fsdp_summary = None

@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised without trl installed
 
 from ..models.patch import is_patched, patch_model
 from ..parallel.layout import ParallelLayout
-from .arguments import SequenceParallelFields
+from .arguments import SequenceParallelFields, patch_options
 from .trainer import SequenceParallelMixin
 
 # GRPO and RLOO live in their own module (generation and scoring per rank); importable from here too
@@ -64,7 +64,7 @@ class _TRLSequenceParallel(SequenceParallelMixin):
         # A model TRL loaded (or wrapped) itself is patched now; its forward is TRL's from here on, so
         # only the backbone is sharded (TRL computes the loss on the gathered outputs).
         if not is_patched(self.model):
-            patch_model(self.model, self.layout, lm_loss=False)
+            patch_model(self.model, self.layout, lm_loss=False, **patch_options(self.args))
 
 
 class SequenceParallelSFTTrainer(_TRLSequenceParallel, SFTTrainer):

@@ -34,7 +34,7 @@ from ..models.forward.rng import per_rank_stream
 from ..models.patch import is_patched, original_attn_implementation, patch_model, sp_disabled
 from ..parallel.layout import ParallelLayout
 from . import fsdp
-from .arguments import SequenceParallelFields
+from .arguments import SequenceParallelFields, patch_options
 from .replica import ReplicaMixin, one_per_replica
 from .rl_batches import ReplicaAccelerator, check_same_prompts, gather_rows, group_rows, rank_rows, sync_rng
 from .trainer import SequenceParallelMixin
@@ -181,7 +181,7 @@ class _RLSequenceParallel(SequenceParallelMixin):
             self.beta = beta
             self._take_reference(ref_model, sync)
         if not is_patched(self.model):  # a model TRL loaded or wrapped itself: only the backbone is sharded
-            patch_model(self.model, self.layout, lm_loss=False)
+            patch_model(self.model, self.layout, lm_loss=False, **patch_options(args))
         if not take_ref and self.ref_model is not None and not is_patched(self.ref_model):
             # TRL loaded the reference from the policy's path, with the policy's (patched) attention: give it
             # the policy's original one and shard it too (a long sequence is why SP is on)

@@ -26,7 +26,10 @@ def plain_loop(case: dict) -> dict:
         if name.endswith("k_proj.bias"):  # analytically zero gradient: Adam would turn rounding noise into steps
             p.requires_grad_(False)
     reference = copy.deepcopy(model)
-    seqpar_hf.patch_model(model, layout, tiled_loss=case.get("tiled", "auto"))
+    if case.get("checkpointing"):
+        model.gradient_checkpointing_enable()
+        reference.gradient_checkpointing_enable()
+    seqpar_hf.patch_model(model, layout, tiled_loss=case.get("tiled", "auto"), **case.get("patch", {}))
     summary = shard_model(model, layout) if not case.get("ddp") else {"bytes": 0}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -80,4 +83,20 @@ LOOPS = [
     dict(name="sp4-ring-llama", family="llama", sp=4, mode="ring"),
     dict(name="sp2xdp2-llama-tiled-loss", family="llama", sp=2, tiled=True),
     dict(name="tp2xsp2-llama", family="llama", sp=2, tp=2),
+    # seqpar_hf/memory/: layer inputs offloaded to host memory (with FSDP2, with TP), the MLP over tiles of 2 tokens
+    dict(
+        name="sp2xdp2-llama-offload-tiled-mlp",
+        family="llama",
+        sp=2,
+        checkpointing=True,
+        patch=dict(offload_activations=True, tiled_mlp=2),
+    ),
+    dict(
+        name="tp2xsp2-llama-offload",
+        family="llama",
+        sp=2,
+        tp=2,
+        checkpointing=True,
+        patch=dict(offload_activations=True),
+    ),
 ]

@@ -87,7 +87,10 @@ def run_case(case: dict) -> dict:
     # (with it on, the patched model refuses packed rows: tests/test_probe.py)
     model.config.use_cache = False
     reference = copy.deepcopy(model)
-    seqpar_hf.patch_model(model, layout)
+    if case.get("checkpointing"):
+        model.gradient_checkpointing_enable()
+        reference.gradient_checkpointing_enable()
+    seqpar_hf.patch_model(model, layout, **case.get("patch", {}))
     many = case.get("many", False)
     if case.get("refused"):
         try:
@@ -188,6 +191,16 @@ CASES = {
         dict(sp=2, name="sp2-ulysses-head-chunks-2-marian", family="marian", head_chunks=2),
         # v's head width apart from q/k's (latent attention), attended document by document
         dict(sp=2, name="sp2-ulysses-deepseek_v3-many-documents", family="deepseek_v3", many=True),
+        # layer inputs offloaded, the MLP over tiles of 2 tokens (seqpar_hf/memory/), under checkpointing
+        dict(
+            sp=2,
+            mode="ring",
+            name="sp2-ring-llama-many-documents-offload-tiled-mlp",
+            family="llama",
+            many=True,
+            checkpointing=True,
+            patch=dict(offload_activations=True, tiled_mlp=2),
+        ),
     ],
     4: _cases_sp4(),
 }

@@ -105,6 +105,9 @@ def run_case(case: dict) -> dict:
         ref_losses[layout.dp_rank].item()
     )
     result["grad_err"], result["worst_param"] = grad_errors(model, reference)
+    offload = model._seqpar_state.offload
+    if offload is not None:  # the layer inputs really went to host memory and came back
+        result["offloaded"] = (offload.moved, offload.restored)
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, out.loss.item())
     result["group_losses"] = losses[layout.sp_size * layout.dp_rank : layout.sp_size * (layout.dp_rank + 1)]
@@ -394,7 +397,38 @@ def _latent_cases(world: int) -> list[dict]:
     ]
 
 
+def _memory_cases(world: int) -> list[dict]:
+    """Checkpointed layer inputs offloaded to host memory and the MLP over tiles of 2 tokens (seqpar_hf/memory/),
+    under gradient checkpointing with two forwards before one backward; Marian has no MLP child (left whole)."""
+    both = dict(patch=dict(offload_activations=True, tiled_mlp=2), checkpointing=True)
+    if world == 2:
+        return [
+            dict(
+                both,
+                sp=2,
+                mode=mode,
+                name=f"{mode}-llama-offload-tiled-mlp-two-forwards",
+                family="llama",
+                second_batch=dict(length=7),
+            )
+            for mode in ("ulysses", "ring")
+        ] + [
+            dict(
+                both,
+                sp=2,
+                mode="ring",
+                name="ring-marian-offload-tiled-mlp-auto",
+                family="marian",
+                patch=dict(offload_activations=True, tiled_mlp="auto"),
+            ),
+        ]
+    return [
+        dict(both, sp=4, mode="hybrid", ring_size=2, name="hybrid-sp4-llama-offload-tiled-mlp", family="llama"),
+        dict(both, sp=2, name="ulysses-sp2xdp2-llama-offload-tiled-mlp", family="llama"),
+    ]
+
+
 CASES = {
-    2: _cases_world2() + _chunked_cases(2) + _latent_cases(2),
-    4: _cases_world4() + _chunked_cases(4) + _latent_cases(4),
+    2: _cases_world2() + _chunked_cases(2) + _latent_cases(2) + _memory_cases(2),
+    4: _cases_world4() + _chunked_cases(4) + _latent_cases(4) + _memory_cases(4),
 }

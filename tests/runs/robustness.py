@@ -104,6 +104,16 @@ def fingerprint_cases(results: dict, layout) -> None:
     )
     results["tiled-loss-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_loss=rank == 0))
     results["lm-loss-differs"] = attempt(run("llama", llama, lm_loss=rank == 0))
+    results["tiled-mlp-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_mlp=rank == 0))
+
+    def checkpointing_on_rank_0(model):  # offload needs it: rank 1 alone would refuse (before: a hang)
+        model.train()
+        if rank == 0:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    results["offload-without-checkpointing-on-one-rank"] = attempt(
+        run("llama", llama, model_fn=checkpointing_on_rank_0, offload_activations=True)
+    )
     results["attention-set-on-one-rank"] = attempt(
         run("llama", llama, model_fn=lambda m: m.set_attn_implementation("sdpa") if rank == 1 else None)
     )

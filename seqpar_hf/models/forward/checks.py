@@ -10,7 +10,9 @@ field and every rank's value:
 - per input tensor: presence, dtype, number of dims, the first two sizes, a position-weighted checksum;
 - per forward: the training mode, the layout (sizes and which layout object of the sequence every rank
   built), the attention implementation the model's layers select, the tiled-loss settings,
-  `num_items_in_batch`, `label_smoothing`, `logits_to_keep`, `output_hidden_states` / `output_attentions`;
+  `num_items_in_batch`, `label_smoothing`, `logits_to_keep`, `output_hidden_states` / `output_attentions`,
+  the tiled MLP and the activation offload (with how many layers are checkpointed: a rank without
+  checkpointing refuses the offload after this check, never alone before it);
 - the call: which call this is (a forward or `generate`: a rank in one and a rank in the other is an
   error that says so), a checksum of the model's weights (`replica_weights`: ranks that hold different
   weights have diverged), and `generate`'s own values (`generation_check`; zeros in a forward).
@@ -18,8 +20,8 @@ Every call exchanges the same structure, so ranks in different calls read each o
 The validation's extremes of the batch (`validate.extremes`) travel in the same all-gather (not
 compared: they follow from the batch), so a forward reads back both in one host sync.
 
-Cost: one all-gather over the replica of (11 tensors + 3 settings rows + 2 call rows + 2 rows of extremes)
-x 6 int64 = 864 bytes per rank, and the weights' checksum (`replica_weights`: some microseconds of host time
+Cost: one all-gather over the replica of (11 tensors + 4 settings rows + 2 call rows + 2 rows of extremes)
+x 6 int64 = 912 bytes per rank, and the weights' checksum (`replica_weights`: some microseconds of host time
 per parameter, whatever its size).
 """
 
@@ -64,7 +66,7 @@ _DTYPE_LIST = (
 )
 _DTYPES = {dt: i for i, dt in enumerate(_DTYPE_LIST)}
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# the settings, each a few int64 slots: name -> number of slots (3 rows of _SLOTS)
+# the settings, each a few int64 slots: name -> number of slots
 SETTINGS = {
     "model.training": 1,
     "layout": 6,
@@ -76,15 +78,17 @@ SETTINGS = {
     "output_hidden_states": 1,
     "output_attentions": 1,
     "lm_loss": 1,
+    "tiled_mlp": 2,
+    "offload_activations": 2,
 }
-_SETTING_SLOTS = 3 * _SLOTS
-assert sum(SETTINGS.values()) == _SETTING_SLOTS
+_SETTING_ROWS = -(-sum(SETTINGS.values()) // _SLOTS)  # the settings' slots, padded with zeros to whole rows
+_SETTING_SLOTS = _SETTING_ROWS * _SLOTS
 # the call's 2 rows: [call, weights (replicated, sharded, shard key, parameters), 0], [generate's 4 values, 0, 0]
 FORWARD, GENERATE = 1, 2
 _CALLS = {FORWARD: "a forward", GENERATE: "generate"}
 _CALL_SLOTS = 2 * _SLOTS
-CALL_ROW, GENERATE_ROW = len(FIELDS) + 3, len(FIELDS) + 4
-COMPARED = len(FIELDS) + 5  # rows compared; then EXTRA_ROWS of values that ride along
+CALL_ROW, GENERATE_ROW = len(FIELDS) + _SETTING_ROWS, len(FIELDS) + _SETTING_ROWS + 1
+COMPARED = len(FIELDS) + _SETTING_ROWS + 2  # rows compared; then EXTRA_ROWS of values that ride along
 EXTRA_ROWS = 2  # validate.extremes: 5 tensors x (min, max)
 
 
@@ -128,7 +132,8 @@ def fingerprint(inputs: dict, settings: dict, device, call: list | None = None) 
         else:
             meta.append([0] * (_SLOTS - 1))
             sums.append(None)
-    flat = [v for name in SETTINGS for v in settings[name]] + call
+    flat = [v for name in SETTINGS for v in settings[name]]
+    flat += [0] * (_SETTING_SLOTS - len(flat)) + call
     values = [v for row in meta for v in row] + [0 if isinstance(v, torch.Tensor) else int(v) for v in flat]
     host = torch.tensor(values, dtype=torch.long).to(device)  # one copy to the device
     zero = torch.zeros((), dtype=torch.long, device=device)
@@ -166,6 +171,11 @@ def forward_settings(
         "output_hidden_states": (int(bool(kwargs.get("output_hidden_states"))),),
         "output_attentions": (int(bool(kwargs.get("output_attentions"))),),
         "lm_loss": (int(lm_loss),),
+        # tiling changes the rounding; offload needs checkpointing on (a rank without it refuses the forward)
+        "tiled_mlp": (state.tiled_mlp_setting, len(state.tiled_mlps)),
+        "offload_activations": (
+            (0, 0) if state.offload_layers is None else (1, state.offload_layers.checkpointed() if training else 0)
+        ),
     }
 
 
@@ -301,7 +311,7 @@ def batch_problems(everyone: list) -> list[str]:
             )
         else:
             problems.append(f"{name} values differ")
-    flat = [[v for row in rows[len(FIELDS) : len(FIELDS) + 3] for v in row] for rows in everyone]
+    flat = [[v for row in rows[len(FIELDS) : len(FIELDS) + _SETTING_ROWS] for v in row] for rows in everyone]
     start = 0
     for name, width in SETTINGS.items():
         per_rank = [tuple(f[start : start + width]) for f in flat]
@@ -326,6 +336,11 @@ def _describe(name: str, value: tuple):
         return None if value[0] == 0 else value[1] if value[0] == 1 else _from_bits(value[1])
     if name == "label_smoothing":
         return _from_bits(value[0])
+    if name == "tiled_mlp":
+        setting = {0: "False", -1: "True", -2: "'auto'"}.get(value[0], f"{value[0]} tokens")
+        return f"{setting} ({value[1]} MLPs tiled)"
+    if name == "offload_activations":
+        return f"{bool(value[0])} ({value[1]} layers checkpointed)" if value[0] else "False"
     return value[0] if len(value) == 1 else value
 
 

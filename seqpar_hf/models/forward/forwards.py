@@ -105,6 +105,8 @@ class BackboneForward(Wrapper):
                 )
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions is not available under sequence parallelism")
+        if state.offload_layers is not None and state.offload_layers.problem:  # after the ranks compared settings
+            raise ValueError(state.offload_layers.problem)
         if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
             raise NotImplementedError("output_hidden_states is not available with tensor parallelism")
         return_dict = kwargs.pop("return_dict", None)

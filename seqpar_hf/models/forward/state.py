@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from ...memory.offload import LayerInputOffload, OffloadLayers
 from ...parallel.layout import ParallelLayout
 from ...parallel.sharding import ShardPlan
 from ..families import ModelFamily, pad_token_id, unwrap
@@ -69,7 +70,11 @@ class PatchState:
         self.decoding = None
         self.step = None
         self.detached = False  # set by unpatch_model: wrappers someone still holds become pass-through
-        self.hooks: list = []  # the position modules' hook handles (positions.install)
+        self.hooks: list = []  # handles with remove(): the position modules' hooks, the memory options'
+        self.offload: LayerInputOffload | None = None  # when the checkpointed layer inputs are offloaded
+        self.tiled_mlps: list[str] = []  # the MLPs computed over sequence tiles (memory/tiled_mlp.py)
+        self.tiled_mlp_setting = 0  # patch_model's tiled_mlp as a number (0: off), compared across the replica
+        self.offload_layers: OffloadLayers | None = None  # the backbone's pre-hook installing it (memory/offload.py)
         self.replaced: list[tuple[object, str, bool, object]] = []  # (object, attribute, had one, previous value)
         self.layerdrop = LayerDropSync(family.layer_stacks)
 
