@@ -185,7 +185,6 @@ def _cases(world: int) -> list[dict]:
         dict(base, name="sp4-hybrid-marian-greedy", family="marian", mode="hybrid", ring_size=2),
         dict(base, name="sp4-ring-bart-beam4", family="bart", mode="ring", beams=4),
         dict(base, name="sp4-hybrid-m2m100-greedy", family="m2m100", mode="hybrid", ring_size=2),
-        dict(base, name="sp4-ring-m2m100-greedy", family="m2m100", mode="ring"),
         dict(base, name="sp4-ulysses-llama-greedy", family="llama"),
         dict(base, name="sp4-hybrid-llama-beam4", family="llama", mode="hybrid", ring_size=2, beams=4),
         dict(base, name="sp4-ring-qwen2-beam4", family="qwen2", mode="ring", beams=4),
@@ -198,7 +197,6 @@ def _cases(world: int) -> list[dict]:
             model=qwen_window,
             sample=True,
         ),
-        dict(base, name="sp4-ulysses-mistral-window-greedy", family="mistral", model=window),
         dict(base, name="sp4-ring-mistral-window-beam4", family="mistral", mode="ring", model=window, beams=4),
         dict(
             base,
