@@ -134,7 +134,7 @@ def ulysses_chunks(seq_len: int, heads: int, kv_heads: int, head_dim: int, reps:
 
     q, k, v, grad = shard(heads), shard(kv_heads), shard(kv_heads), shard(heads)
 
-    def inner(q_, k_, v_, kv_for_q):
+    def inner(q_, k_, v_, kv_for_q, heads=None):
         return kernels.unmasked(q_, k_, v_, True, head_dim**-0.5, kv_for_q)
 
     def run(fn):

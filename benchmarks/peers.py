@@ -84,7 +84,7 @@ def ours_attention(chunks="auto"):
     def make(group, case):
         rank, exchange = dist.get_rank(group), _exchange(chunks)
 
-        def inner(q, k, v, kv_for_q):  # [b, h_r, s, d]: the full sequence for this rank's heads
+        def inner(q, k, v, kv_for_q, heads=None):  # [b, h_r, s, d]: the full sequence for this rank's heads
             return kernels.unmasked(q, k, v, case["causal"], case["scale"], kv_for_q)
 
         def attend(q, k, v):  # HF's [b, s/n, h, d] seen as [b, h, s/n, d], and the result back
@@ -114,7 +114,7 @@ def use_exchange(model, layout, exchange) -> None:
             pattern = ctx.pattern(site.q_side, site.kv_side, causal, window)
             scale = q.shape[-1] ** -0.5 if scale is None else scale
 
-            def inner(q_, k_, v_, kv_for_q):
+            def inner(q_, k_, v_, kv_for_q, heads=None):
                 return kernels.attention(q_, k_, v_, pattern, scale, dropout, kv_for_q)
 
             return exchange(q, k, v, layout.ulysses_group, layout.ulysses_rank, inner)

@@ -105,7 +105,7 @@ def _attention_case(DistributedAttention, group, seq_len, causal, heads, kv_head
 
     q, k, v, grad = shard(heads), shard(kv_heads), shard(kv_heads), shard(heads).detach()
 
-    def inner(q_, k_, v_, kv_for_q):
+    def inner(q_, k_, v_, kv_for_q, heads=None):
         return kernels.unmasked(q_, k_, v_, causal, scale, kv_for_q)
 
     ds_attn = DistributedAttention(ds_local_attention, group, scatter_idx=2, gather_idx=1)

@@ -12,10 +12,10 @@ pattern (Gemma 3), KV-shared layers (Gemma 3n; Gemma 4 with partial rotary and w
 absolute positions in a 32-row table (GPT-2), yarn whose original length is shorter than the batch (Ministral
 3), encoder-decoder (Marian, BART, M2M100 with padding-aware sinusoidal positions), padding-aware learned
 positions (RoBERTa), an LM forward around its backbone (OPT: its packed rows refused), a window only in the
-cache (Moshi: its generate rows WRONG today), a config without pad_token_id (CodeGen), a bidirectional
-sliding-window encoder (T5Gemma), TP fixes (Apertus, Phi, OLMo), and the refusals: short-conv hybrid (LFM2),
-Mamba hybrid (Jamba), gated-DeltaNet hybrid (Qwen3-Next), pure SSM (Mamba), hand-written attention (GPT-1,
-BLOOM's ALiBi), relative position bias (T5), soft-capping (Gemma 2, T5Gemma), attention keywords (Inkling,
+cache (Moshi), a config without pad_token_id (CodeGen), a bidirectional sliding-window encoder with
+soft-capping (T5Gemma), soft-capping (Gemma 2), learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and
+the refusals: short-conv hybrid (LFM2), Mamba hybrid (Jamba), gated-DeltaNet hybrid (Qwen3-Next), pure SSM
+(Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative position bias (T5), attention keywords (Inkling,
 DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models (EncoderDecoder), global-local attention
 (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms (Cohere), a plan that
 shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
@@ -57,7 +57,9 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("mllama", "MllamaForCausalLM", ("ulysses",), (P,)),  # F: base_model is the LM itself
     ("moshi", "MoshiForCausalLM", ("ulysses",), (P, G)),  # its window only in its cache (decoding), not its mask
     ("codegen", "CodeGenForCausalLM", ("ulysses",), (P, G)),  # J: no pad_token_id; rotary_dim 1/4 of the head
-    ("t5gemma:no_softcap", "T5GemmaForConditionalGeneration", ("ulysses",), (P,)),  # G: bidirectional window
+    ("t5gemma", "T5GemmaForConditionalGeneration", ("ulysses",), (P,)),  # G: bidirectional window; soft-capping
+    ("gemma2", "Gemma2ForCausalLM", ("ring",), (P, G)),  # soft-capping (0.02: it bites) in the block kernels
+    ("gpt_oss", "GptOssForCausalLM", ("ulysses",), ALL),  # learned sinks (a ring of one); packed rows refused
     ("marian:decoder_is_causal_false_eager", "MarianMTModel", ("ulysses", "ring"), (P,)),  # E1: sides from keys
     ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
     ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP
@@ -70,7 +72,6 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("openai-gpt", "OpenAIGPTLMHeadModel", ("ulysses",), (P,)),  # E5: attention written by hand, named
     ("bloom", "BloomForCausalLM", ("ulysses",), (P,)),
     ("t5", "T5ForConditionalGeneration", ("ulysses",), (P,)),
-    ("gemma2", "Gemma2ForCausalLM", ("ulysses",), (P,)),
     ("cohere:use_qk_norm", "CohereForCausalLM", ("tp2",), (P,)),  # TP: [heads, head_dim] norm weights
     ("diffllama", "DiffLlamaForCausalLM", ("tp2",), (P,)),  # I1: a plan that shards nothing
     ("gemma3n_text", "Gemma3nForCausalLM", ("tp2",), (P,)),  # I3: per-layer inputs
@@ -80,7 +81,6 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ("ulysses",), (P,)),  # D: was HUNG
     ("nllb-moe", "NllbMoeForConditionalGeneration", ("ulysses",), (P,)),  # routing capacity over the tokens
     ("pegasus_x", "PegasusXForConditionalGeneration", ("ulysses",), (P,)),  # E4: global-local attention
-    ("t5gemma", "T5GemmaForConditionalGeneration", ("ulysses",), (P,)),  # softcap=
     ("blt", "BltForCausalLM", ("ulysses",), (P,)),  # H: bytes resampled into patches
     ("whisper", "WhisperForCausalLM", ("ulysses",), (P,)),  # a loss without the causal shift
 ]
@@ -92,6 +92,7 @@ _TP_GENERATE = "generate on a tensor-parallel model (tp_size=2)"
 EXPECT_REFUSED: dict[tuple, str] = {
     ("llama", "tp2", G): _TP_GENERATE,
     ("opt", "ulysses", K): "lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents",
+    ("gpt_oss", "ulysses", K): "lets model.layers.0.self_attn (GptOssAttention) attend across the documents",
     ("lfm2", "ulysses"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
     ("lfm2", "tp2"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
     ("jamba", "ulysses"): f"model.layers.0.mamba (JambaMambaMixer) {_CONV}",
@@ -100,7 +101,6 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence
     ("t5", "ulysses"): "relative position bias",
-    ("gemma2", "ulysses"): "soft-capping",
     ("cohere:use_qk_norm", "tp2"): "layers.0.self_attn.q_norm.weight (CohereLayerNorm, one row per attention head",
     ("diffllama", "tp2"): "plan shards no projection",
     ("gemma3n_text", "tp2"): "layers.0 takes per-token inputs besides its hidden states (per_layer_input)",
@@ -110,7 +110,6 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("minimax_m3_vl_text", "ulysses"): "model.layers.0.self_attn (MiniMaxM3VLAttention) passes block_indices=",
     ("nllb-moe", "ulysses"): "(NllbMoeTop2Router) decides for each token from the batch's other tokens",
     ("pegasus_x", "ulysses"): "model.encoder.embed_positions (PegasusXSinusoidalPositionalEmbedding) fails on a shard",
-    ("t5gemma", "ulysses"): "model.encoder.layers.0.self_attn (T5GemmaSelfAttention) passes softcap=",
     ("blt", "ulysses"): "(BltCrossAttention) attends to keys that are not a sequence of the model",
     ("whisper", "ulysses"): "against the label at the same position (no shift)",
 }

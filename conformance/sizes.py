@@ -4,6 +4,7 @@ the default is larger), the keys that count layers, dropout-like floats zeroed, 
 VOCAB = 128
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 4, 2, 8, 2
 FFN, MOE_FFN, EXPERTS, TOP_K, WINDOW = 64, 32, 4, 2, 4
+SOFTCAP = 0.02  # attention logit soft-cap of the tiny configs (released: 50, far above their ~0.02 scores)
 POSITIONS = 32  # position tables as small as the batches allow: the longest (the packed row) has 25 tokens
 SPECIAL_IDS = 16  # ids VOCAB-16 .. VOCAB-1 are kept for special / modality tokens; batches draw 3 .. VOCAB-17
 

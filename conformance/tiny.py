@@ -40,6 +40,7 @@ from .sizes import (
     LAYERS,
     POSITIONS,
     SIZES,
+    SOFTCAP,
     SPECIAL,
     SPECIAL_IDS,
     VOCAB,
@@ -146,6 +147,8 @@ def shrink(config: PreTrainedConfig, layers: int | None = None) -> dict:
         per_layer = [k for k in per_layer if k != "layer_types"]
     elif fields is not None and "sliding_window" in fields and everything.get("sliding_window") is None:
         out["sliding_window"] = WINDOW
+    if everything.get("attn_logit_softcapping"):  # made to bite: tanh(score / cap) far from linear
+        out["attn_logit_softcapping"] = SOFTCAP
     for key, value in FILL_NONE.items():  # left None by defaults that then fail to build (Ministral, Nemotron)
         if key in everything and everything[key] is None and (fields is None or key in fields):
             out[key] = value

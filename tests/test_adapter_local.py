@@ -114,9 +114,6 @@ def test_structural_refusals_name_the_reason_and_the_fix():
     bloom = BloomForCausalLM(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="BloomForCausalLM: transformer \\(BloomModel\\) computes attention itself"):
         seqpar_hf.patch_model(bloom, seqpar_hf.ParallelLayout(sp_size=1))
-    gemma2 = build_model("gemma2", attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match="soft-capping.*attn_logit_softcapping=50.0.*attn_logit_softcapping = None"):
-        seqpar_hf.patch_model(gemma2, seqpar_hf.ParallelLayout(sp_size=1))
 
 
 def test_attention_outside_a_sharded_forward_stops_with_the_fix():

@@ -101,3 +101,34 @@ def test_encoder_only_models_are_refused():
         r"same position \(no shift\)",
     ):
         inspect_model(model)
+
+
+def test_inputs_the_forward_would_pass_unsharded_are_refused():
+    """Images (a vision-language model's pixel_values and grid) or per-token extras would reach the layers
+    whole while the text is split (Qwen2.5-VL crashed in its vision rotary before): refused by name."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from conformance.tiny import build_config
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}  # M-RoPE over 8-wide heads
+    config = build_config("qwen2_vl", {"text_config": {"rope_parameters": rope}, "vision_config": {"depth": 1}})
+    model = Qwen2VLForConditionalGeneration(config).float()
+    family = inspect_model(model)
+    kw = {
+        "input_ids": torch.randint(3, 50, (1, 12)),
+        "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),  # 16 patches of 2 frames x 4 x 4 pixels
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+    }
+    values = validate.extremes(family.kind, kw, None, None, torch.device("cpu")).tolist()
+    with pytest.raises(
+        NotImplementedError,
+        match=r"Qwen2VLForConditionalGeneration's forward was given "
+        r"image_grid_thw= \(\(1, 3\)\), pixel_values= \(\(16, 96\)\).*sp_disabled",
+    ):
+        validate.check(family, kw, None, None, values)
+    llama = build("llama")
+    batch = dict(BATCHES["causal-labels-longer"][1], token_type_ids=torch.zeros(3, 11, dtype=torch.long))
+    kw = {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"]}
+    values = validate.extremes("causal", kw, None, None, torch.device("cpu")).tolist()
+    with pytest.raises(NotImplementedError, match=r"token_type_ids= \(\(3, 11\)\)"):
+        validate.check(inspect_model(llama), kw, None, None, values)

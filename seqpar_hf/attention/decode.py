@@ -14,10 +14,16 @@ import torch
 
 from ..parallel.comm import all_gather_into, group_size
 from .kernels import merge
+from .scores import NONE, ScoreMods, capped, with_sinks
 
 
 def local_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, h, s_q, d], k [b, h_kv, n, d], v [b, h_kv, n, d_v] (this rank's keys), allowed [b or 1, 1, s_q, n]
     bool or None -> (out [b, h, s_q, d_v] fp32, lse [b, h, s_q] fp32). A row that sees no key here: out 0,
@@ -30,7 +36,7 @@ def local_attention(
     rep = h // h_kv
     qg = q.float().reshape(b, h_kv, rep * s_q, d)  # [b, h, s_q, d] -> [b, h_kv, rep * s_q, d] (heads grouped)
     scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [b, h_kv, rep * s_q, n]
-    scores = scores.view(b, h_kv, rep, s_q, n)
+    scores = capped(scores, softcap).view(b, h_kv, rep, s_q, n)
     if allowed is not None:
         scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))  # [b, 1, 1, s_q, n] over the groups
     lse = torch.logsumexp(scores, dim=-1)  # [b, h_kv, rep, s_q]; -inf where no key is allowed
@@ -40,25 +46,35 @@ def local_attention(
     return out.view(b, h, s_q, v.shape[-1]), lse.reshape(b, h, s_q)  # [b, h_kv, rep, s_q, ..] -> [b, h, s_q, ..]
 
 
-def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's (out [b, h, s_q, d_v], lse [b, h, s_q]) fp32 -> the merged out [b, h, s_q, d_v] fp32,
-    identical on every rank of `group` (gathered, then merged in rank order)."""
+def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (out [b, h, s_q, d_v], lse [b, h, s_q]) fp32 -> the merged (out, lse) fp32, identical on
+    every rank of `group` (gathered, then merged in rank order)."""
     n = group_size(group)
     if n == 1:
-        return out
+        return out, lse
     packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()  # [b, h, s_q, d_v + 1]: one message
     everyone = packed.new_empty((n, *packed.shape))
     all_gather_into(everyone, packed[None], group=group)  # [n, b, h, s_q, d_v + 1]
     merged, total = everyone[0, ..., :-1], everyone[0, ..., -1]
     for r in range(1, n):
         merged, total = merge(merged, total, everyone[r, ..., :-1], everyone[r, ..., -1])
-    return merged
+    return merged, total
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, group
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    group,
+    mods: ScoreMods = NONE,
 ) -> torch.Tensor:
     """q [b, h, s_q, d] (replicated), k [b, h_kv, n_local, d], v [b, h_kv, n_local, d_v] (this rank's keys)
-    -> [b, h, s_q, d_v] in q's dtype: attention over the union of every rank's keys."""
-    out, lse = local_attention(q, k, v, allowed, scale)
-    return merge_over_group(out, lse, group).to(q.dtype)
+    -> [b, h, s_q, d_v] in q's dtype: attention over the union of every rank's keys (soft-capped scores;
+    sinks joining the merged denominator once)."""
+    out, lse = local_attention(q, k, v, allowed, scale, mods.softcap)
+    out, lse = merge_over_group(out, lse, group)
+    if mods.sinks is not None:
+        out, _ = with_sinks(out, lse, mods.sinks)
+    return out.to(q.dtype)

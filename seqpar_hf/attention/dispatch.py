@@ -14,6 +14,7 @@ from . import kernels
 from .heads import max_chunks
 from .pattern import MISSING, Pattern
 from .ring import RingPlan, ring_attention
+from .scores import NONE, ScoreMods
 from .ulysses import auto_chunks, ulysses_attention
 
 
@@ -36,23 +37,27 @@ def attend(
     v: torch.Tensor,
     scale: float,
     dropout: float,
+    mods: ScoreMods = NONE,
 ) -> torch.Tensor:
     """q [b, h, s_q/sp, d], k [b, h_kv, s_k/sp, d], v [b, h_kv, s_k/sp, d_v] (this rank's tokens; v's width
-    may differ from q/k's, as in multi-head latent attention) -> [b, h, s_q/sp, d_v]."""
-    if layout.sizes.ring_size == 1:
+    may differ from q/k's, as in multi-head latent attention) -> [b, h, s_q/sp, d_v]. `mods`: soft-capping
+    and sinks (`scores.py`), for all h heads; they take the block kernels, which return the log-sum-exp
+    (under Ulysses as a ring of one over the whole sequence)."""
+    if layout.sizes.ring_size == 1 and not mods.active:
 
-        def inner(q, k, v, kv_for_q):
+        def inner(q, k, v, kv_for_q, heads=None):
             return kernels.attention(q, k, v, pattern, scale, dropout, kv_for_q)
     else:
         if dropout > 0:
+            what = "ring attention" if layout.sizes.ring_size != 1 else "attention with soft-capping or sinks"
             raise NotImplementedError(
-                f"ring attention does not support attention dropout (got {dropout}); set the "
-                "model's attention_dropout to 0 or use mode='ulysses'"
+                f"{what} under sequence parallelism does not support attention dropout (got {dropout}); set the "
+                "model's attention_dropout to 0" + (" or use mode='ulysses'" if not mods.active else "")
             )
         plan = ring_plan(layout, pattern, q.device)
 
-        def inner(q, k, v, kv_for_q):
-            return ring_attention(q, k, v, plan, scale, kv_for_q)
+        def inner(q, k, v, kv_for_q, heads=None):
+            return ring_attention(q, k, v, plan, scale, kv_for_q, mods if heads is None else mods.heads(*heads))
 
     if layout.ulysses_size == 1:
         rep = q.shape[1] // k.shape[1]

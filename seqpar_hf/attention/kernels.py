@@ -234,10 +234,10 @@ def _one_width(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in xs]  # [.., d] -> [.., width]
 
 
-def block_forward(q, k, v, bias, causal: bool, scale: float):
-    ops = _fused(q)
+def block_forward(q, k, v, bias, causal: bool, scale: float, softcap: float | None = None):
+    ops = None if softcap is not None else _fused(q)  # no fused kernel caps its scores
     if ops is None:
-        return math_forward(q, k, v, bias, causal, scale)
+        return math_forward(q, k, v, bias, causal, scale, softcap)
     if q.device.type == "cpu":
         out, lse = ops[0](*_one_width(q, k, v), 0.0, causal, attn_mask=bias, scale=scale)
         return out[..., : v.shape[-1]], lse
@@ -246,10 +246,10 @@ def block_forward(q, k, v, bias, causal: bool, scale: float):
     return out, lse[..., : q.shape[2]].to(accumulation_dtype(q.dtype))
 
 
-def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
-    ops = _fused(q)
+def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float, softcap: float | None = None):
+    ops = None if softcap is not None else _fused(q)
     if ops is None:
-        return math_backward(dout, q, k, v, out, lse, bias, causal, scale)
+        return math_backward(dout, q, k, v, out, lse, bias, causal, scale, softcap)
     if q.device.type == "cpu":
         d, d_v = q.shape[-1], v.shape[-1]
         dout, q, k, v, out = _one_width(dout, q, k, v, out)
@@ -264,34 +264,64 @@ def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
     return dq, dk, dv
 
 
-def _scores(q, k, bias, causal, scale):
+# The math kernels (soft-capping, float64, no fused kernel) go over query rows in chunks of at most this many
+# score elements, so that a whole sequence's block (a ring of one under Ulysses) never holds [b, h, S, S] at once.
+MATH_CHUNK_ELEMENTS = 1 << 25
+
+
+def _row_chunks(q, k) -> list[slice]:
+    rows = max(1, MATH_CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
+    return [slice(i, min(i + rows, q.shape[2])) for i in range(0, q.shape[2], rows)]
+
+
+def _scores(q, k, bias, causal, scale, softcap, row0: int):
+    """Scores [b, h, rows, s_k] in the accumulation dtype of query rows row0.. (q holds only those), and
+    tanh(raw / softcap) (None without a cap) for the backward: soft-capping applies before the mask, as the
+    models do; `causal`: key j is seen by query row i when j <= i (the blocks' top-left alignment)."""
     t = accumulation_dtype(q.dtype)
-    s = torch.matmul(q.to(t), k.to(t).transpose(-1, -2)) * scale  # [b, h, s_q, s_k]
+    s = torch.matmul(q.to(t), k.to(t).transpose(-1, -2)) * scale
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(s / softcap)
+        s = tanh * softcap
     if bias is not None:
         s = s + bias.to(t)
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+        i = torch.arange(row0, row0 + s.shape[-2], device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device)[None, :] > i, float("-inf"))
+    return s, tanh
 
 
-def math_forward(q, k, v, bias, causal, scale):
-    s = _scores(q, k, bias, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]
-    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
-    return torch.matmul(p, v.to(s.dtype)).to(q.dtype), lse.nan_to_num(neginf=0.0)
+def _rows(bias, rows: slice):
+    return None if bias is None else bias[..., rows, :]
 
 
-def math_backward(dout, q, k, v, out, lse, bias, causal, scale):
-    s = _scores(q, k, bias, causal, scale)
-    t = s.dtype
-    p = torch.exp(s - lse.to(t)[..., None])  # [b, h, s_q, s_k]
-    do = dout.to(t)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, v.to(t).transpose(-1, -2))
-    ds = p * (dp - (do * out.to(t)).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, k.to(t)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(t)) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+def math_forward(q, k, v, bias, causal, scale, softcap=None):
+    outs, lses = [], []
+    for rows in _row_chunks(q, k):
+        s, _ = _scores(q[:, :, rows], k, _rows(bias, rows), causal, scale, softcap, rows.start)
+        lse = torch.logsumexp(s, dim=-1).nan_to_num(neginf=0.0)  # [b, h, rows]
+        outs.append(torch.matmul(torch.exp(s - lse[..., None]), v.to(s.dtype)).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def math_backward(dout, q, k, v, out, lse, bias, causal, scale, softcap=None):
+    t = accumulation_dtype(q.dtype)
+    dqs, dk, dv = [], torch.zeros(k.shape, dtype=t, device=k.device), torch.zeros(v.shape, dtype=t, device=v.device)
+    for rows in _row_chunks(q, k):
+        qr = q[:, :, rows]
+        s, tanh = _scores(qr, k, _rows(bias, rows), causal, scale, softcap, rows.start)
+        p = torch.exp(s - lse[:, :, rows].to(t)[..., None])  # [b, h, rows, s_k]
+        do = dout[:, :, rows].to(t)
+        dv += torch.matmul(p.transpose(-1, -2), do)
+        dp = torch.matmul(do, v.to(t).transpose(-1, -2))
+        ds = p * (dp - (do * out[:, :, rows].to(t)).sum(-1, keepdim=True))
+        if tanh is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds = ds * (1 - tanh * tanh)
+        dqs.append(torch.matmul(ds, k.to(t)) * scale)
+        dk += torch.matmul(ds.transpose(-1, -2), qr.to(t)) * scale
+    return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .kernels import accumulation_dtype, block_backward, block_forward, merge
 from .masks import MaskSpec
+from .scores import NONE, ScoreMods, sink_grad, with_sinks
 
 
 @dataclass
@@ -91,7 +92,11 @@ class RingPlan:
                 else:
                     rows = slice(s_q // 2, s_q)
             q_idx, k_idx = q_index[rows], k_index[source][cols]
-            allowed = spec.block_mask(q_idx, k_idx, causal=spec.causal and not zigzag)
+            if spec.causal and not zigzag and source == index and _ascending_self(spec, q_idx, k_idx):
+                # contiguous self-attention block (a ring of one under Ulysses): the kernel's causal flag, with
+                # no [s, s] mask where nothing else (padding, documents, a window) needs one
+                causal = spec.block_mask(q_idx, k_idx, causal=False) is None
+            allowed = spec.block_mask(q_idx, k_idx, causal=spec.causal and not zigzag and not causal)
             if allowed is not None and causal:  # one mask carries everything
                 n = q_idx.numel()
                 allowed = allowed & torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()
@@ -110,11 +115,16 @@ class RingPlan:
         return cls(group, tuple(ranks), index, blocks)
 
 
+def _ascending_self(spec: MaskSpec, q_idx: torch.Tensor, k_idx: torch.Tensor) -> bool:
+    """Queries and keys are the same tokens in position order (host sync: once per forward)."""
+    return spec.q is spec.k and torch.equal(q_idx, k_idx) and bool((q_idx[1:] > q_idx[:-1]).all())
+
+
 class Ring:
     """Point-to-point exchange with the ring neighbours."""
 
     def __init__(self, plan: RingPlan):
-        n = len(plan.ranks)
+        n = self.size = len(plan.ranks)
         self.group, self.next, self.prev = (
             plan.group,
             plan.ranks[(plan.index + 1) % n],
@@ -122,6 +132,8 @@ class Ring:
         )
 
     def start(self, send: torch.Tensor):
+        if self.size == 1:  # a ring of one (Ulysses with score modifiers): the block is already home
+            return send, []
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
         return recv, dist.batch_isend_irecv(ops)
@@ -158,7 +170,7 @@ def _reduce(dx: torch.Tensor, kv_index, heads_kv: int) -> torch.Tensor:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, scale: float, kv_index):
+    def forward(ctx, q, k, v, sinks, plan: RingPlan, scale: float, kv_index, softcap):
         n, ring = len(plan.ranks), Ring(plan)
         b, h, s_q, _ = q.shape
         acc_dtype = accumulation_dtype(q.dtype)
@@ -179,24 +191,27 @@ class RingAttention(torch.autograd.Function):
                     block.bias(q.dtype),
                     block.causal,
                     scale,
+                    softcap,
                 )
                 if block.valid_rows is not None:  # kernels report lse 0 for rows that saw no key: make it -inf
                     block_lse = block_lse.masked_fill(~block.valid_rows, float("-inf"))
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, block_lse)
             if pending is not None:
                 kv = Ring.wait(pending)
+        if sinks is not None:  # each head's sink joins the denominator once, after every block
+            out, lse = with_sinks(out, lse, sinks)
         # laid out as [b, s, h, d] in memory: the caller's transpose to [b, s, h, d] is then free, so the
         # output projection's saved input shares this storage instead of keeping a second copy
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that saw no key at all: grads are 0 anyway
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale, ctx.kv_index = plan, scale, kv_index
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.plan, ctx.scale, ctx.kv_index, ctx.softcap = plan, scale, kv_index, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, scale, kv_index = ctx.plan, ctx.scale, ctx.kv_index
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        plan, scale, kv_index, softcap = ctx.plan, ctx.scale, ctx.kv_index, ctx.softcap
         n, ring = len(plan.ranks), Ring(plan)
         heads_kv = k.shape[1]
         dout = dout.contiguous()
@@ -221,6 +236,7 @@ class RingAttention(torch.autograd.Function):
                     block.bias(q.dtype),
                     block.causal,
                     scale,
+                    softcap,
                 )
                 dq[:, :, rows] += dq_b.to(acc_dtype)
             # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
@@ -238,7 +254,9 @@ class RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = Ring.wait(pending_kv)
         dk, dv = _unpack(Ring.wait(carried), k.shape, v.shape)  # our own block's gradient, home after a full turn
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        # blocks taken with the final lse (sinks in it) are the sink-augmented softmax's backward already
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
 def ring_attention(
@@ -248,7 +266,11 @@ def ring_attention(
     plan: RingPlan,
     scale: float,
     kv_for_q: tuple[int, ...] | None = None,
+    mods: ScoreMods = NONE,
 ) -> torch.Tensor:
-    """q [b, h, s_q, d], k [b, h_kv, s_k, d], v [b, h_kv, s_k, d_v] (this rank's blocks) -> [b, h, s_q, d_v]."""
+    """q [b, h, s_q, d], k [b, h_kv, s_k, d], v [b, h_kv, s_k, d_v] (this rank's blocks) -> [b, h, s_q, d_v];
+    `mods`: soft-capping and sinks for these h query heads."""
     kv_index = plan.kv_index(kv_for_q, q.device)
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kv_index)
+    return RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), mods.sinks, plan, scale, kv_index, mods.softcap
+    )

@@ -69,14 +69,16 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """query [b, h, s_q/n, d], key [b, h_kv, s_k/n, d], value [b, h_kv, s_k/n, d_v] -> [b, h, s_q/n, d_v].
 
-    `inner(q, k, v, kv_for_q)` computes attention over the full sequence for some of this rank's
+    `inner(q, k, v, kv_for_q, heads)` computes attention over the full sequence for some of this rank's
     heads (the local kernel, or a ring across Ulysses groups in hybrid mode); `kv_for_q` is a tuple
-    giving each query head's kv head, or None for one to one. It is called once per chunk.
+    giving each query head's kv head, or None for one to one; `heads` the global query heads [lo, hi)
+    (for per-head parameters such as sinks). It is called once per chunk.
     """
     n = group_size(group)
     if n == 1:
         rep = query.shape[1] // key.shape[1]
-        return inner(query, key, value, None if rep == 1 else tuple(i // rep for i in range(query.shape[1])))
+        kv_for_q = None if rep == 1 else tuple(i // rep for i in range(query.shape[1]))
+        return inner(query, key, value, kv_for_q, (0, query.shape[1]))
     plan = chunk_plan(query.shape[1], key.shape[1], n, chunks)
     b, _, s_q, d = query.shape
     s_k, d_v = key.shape[2], value.shape[3]  # v's width may differ from q/k's (multi-head latent attention)
@@ -102,7 +104,7 @@ def ulysses_attention(
             pending = Send.apply(sends[c + 1], *rows(c + 1), group, tokens_in[c + 1])
         ks.append(k)
         vs.append(v)
-        out = inner(q, _kv_for_chunk(ks, plan, rank, c), _kv_for_chunk(vs, plan, rank, c), mine.kv_for_q)
+        out = inner(q, _kv_for_chunk(ks, plan, rank, c), _kv_for_chunk(vs, plan, rank, c), mine.kv_for_q, mine.q)
         outs.append(OutSend.apply(out, n, [mine.heads] * n, [p.heads for p in plan.pieces[c]], group, tokens_out[c]))
     return OutLand.apply(plan, rank, group, tokens_out, *outs)  # [b, h, s_q/n, d_v]
 
@@ -119,5 +121,6 @@ def ulysses_attention_separate(
         key, value = key.index_select(1, send), value.index_select(1, send)  # [b, sum(kv_sizes), s_k, d]
     k = seq_to_heads(key, list(split.kv_sizes), group)  # -> [b, kv_r, n s_k, d]
     v = seq_to_heads(value, list(split.kv_sizes), group)
-    out = inner(q, k, v, split.kv_for_q[rank])  # [b, h_r, n s_q, d]
+    start = sum(split.q_sizes[:rank])
+    out = inner(q, k, v, split.kv_for_q[rank], (start, start + split.q_sizes[rank]))  # [b, h_r, n s_q, d]
     return heads_to_seq(out, list(split.q_sizes), group)  # -> [b, h, s_q, d]

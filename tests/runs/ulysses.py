@@ -49,7 +49,7 @@ def _exchanges() -> list[dict]:
         local = [x[:, :, rank * x.shape[2] // n : (rank + 1) * x.shape[2] // n] for x in full]
         causal = s_q == s_k
 
-        def inner(q, k, v, kv_for_q):
+        def inner(q, k, v, kv_for_q, heads=None):
             return kernels.unmasked(q, k, v, causal, d**-0.5, kv_for_q)
 
         def run(fn):

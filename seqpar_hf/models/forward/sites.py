@@ -10,10 +10,12 @@ sharded attention does not honour are refused by name (`unsupported`), at patch 
 from __future__ import annotations
 
 from ...attention import dispatch
+from ...attention.scores import KEYWORDS as SCORE_KEYWORDS
+from ...attention.scores import NONE, ScoreMods
 from .context import CONTEXT_KWARG, ForwardContext
 
 _SITE = "_seqpar_site"  # on each patched attention module
-HONOURED = ("dropout", "scaling")
+HONOURED = ("dropout", "scaling", *SCORE_KEYWORDS)  # soft-capping and sinks: proven at patch time (score_mods.py)
 SUPERSEDED = ("is_causal", "sliding_window")  # the pattern proven at patch time decides
 CARRIED = (
     "position_ids",
@@ -35,9 +37,6 @@ CARRIED = (
     CONTEXT_KWARG,
 )  # labels: only the dry run passes them this far
 WHY = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "an additive bias over the whole query-key matrix",
     "indices": "a sparse selection of keys made over the whole sequence",
     "block_indices": "a sparse selection of key blocks made over the whole sequence",
@@ -85,11 +84,11 @@ class AttentionSite:
     def __init__(self, state, name: str, q_side: str, kv_side: str, pattern: tuple | None = None):
         self.state, self.name, self.q_side, self.kv_side, self.pattern = state, name, q_side, kv_side, pattern
 
-    def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout):
+    def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout, mods: ScoreMods = NONE):
         """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         pattern = ctx.pattern(self.q_side, self.kv_side, causal, window)
-        return dispatch.attend(ctx.layout, pattern, q, k, v, scale, dropout)
+        return dispatch.attend(ctx.layout, pattern, q, k, v, scale, dropout, mods)
 
 
 def original_function(implementation: str | None):

@@ -166,10 +166,58 @@ def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple) -
             raise RuntimeError(f"{pos_key} must hold integer positions, got {pos.dtype}")
 
 
+# the tensors a patched forward shards, or reads whole on every rank (cache_position: a decoding index); any
+# other tensor would reach the layers unsharded (images, audio, token types): refused by `_check_unsharded`
+SHARDED_INPUTS = frozenset(
+    (
+        "input_ids",
+        "inputs_embeds",
+        "attention_mask",
+        "position_ids",
+        "decoder_input_ids",
+        "decoder_inputs_embeds",
+        "decoder_attention_mask",
+        "decoder_position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+        "cache_position",
+        "logits_to_keep",
+    )
+)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [x for x in value if isinstance(x, torch.Tensor)]
+    return []
+
+
+def _check_unsharded(family, kw: dict) -> None:
+    """Refuse tensors the patched forward would pass to the backbone unsharded: the dry run at patch time
+    saw text batches only, so an image, a video, audio features or per-token extras (pixel_values,
+    image_grid_thw, token_type_ids, ...) have no proven path through the sequence split (a vision tower's
+    positions would be cut as the text's)."""
+    extra = {k: _tensors(v) for k, v in kw.items() if k not in SHARDED_INPUTS and _tensors(v)}
+    if extra:
+        what = ", ".join(f"{k}= ({' + '.join(str(tuple(t.shape)) for t in ts)})" for k, ts in sorted(extra.items()))
+        raise NotImplementedError(
+            f"seqpar_hf: {type(family.pretrained).__name__}'s forward was given {what}, which sequence parallelism "
+            "does not shard: only text inputs (input_ids or inputs_embeds, attention_mask, position_ids, labels; "
+            "decoder_* for encoder-decoder models) are split. Images, audio and other per-token inputs are not "
+            "supported under SP yet: run such batches without it (`with seqpar_hf.sp_disabled(model):`)"
+        )
+
+
 def check(family, kw: dict, labels, shift_labels, values: list[int]) -> None:
     """Raise what the unpatched model raises for this batch (or refuse it), before any sharding.
     `values`: `extremes` of the same batch, read back."""
     kind = family.kind
+    _check_unsharded(family, kw)
     src = _check_sequence(kind, "encoder" if kind == "seq2seq" else "decoder", kw, "input_ids", "inputs_embeds")
     if src is None:
         raise ValueError("the patched forward needs input_ids or inputs_embeds")

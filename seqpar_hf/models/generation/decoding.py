@@ -21,6 +21,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ... import _compat
 from ...attention import decode
+from ...attention.scores import ScoreMods
 from ...parallel.layout import ParallelLayout
 from ...parallel.sharding import ShardPlan
 from ..forward.context import CONTEXT_KWARG, ForwardContext
@@ -145,7 +146,7 @@ def attend(
     group = step.layout.sp_group
     if site.q_side == "decoder" and site.kv_side == "encoder":  # this rank's shard of the encoder states
         allowed = None if step.source_valid is None else step.source_valid[:, None, None, :]  # [b, 1, 1, S/sp]
-        return decode.attention(query, key, value, allowed, scale, group).transpose(1, 2), None
+        return decode.attention(query, key, value, allowed, scale, group, ScoreMods.of(kwargs)).transpose(1, 2), None
     if step.cache is None:  # an encoder-decoder model's decoder self-attention: replicated, the original one
         implementation = state.attn_implementation
         if isinstance(attention_mask, DeferredMask):
@@ -158,7 +159,7 @@ def attend(
         function = _compat.original_attention_function(module, implementation)
         return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra)
     layer = step.cache.reader(module.layer_idx, key, window)  # this rank's shard of the KV cache (or the one it shares)
-    out = decode.attention(query, key, value, layer.allowed(), scale, group)  # [b, h, s_q, d]
+    out = decode.attention(query, key, value, layer.allowed(), scale, group, ScoreMods.of(kwargs))  # [b, h, s_q, d]
     return out.transpose(1, 2), None
 
 

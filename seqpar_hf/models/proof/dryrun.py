@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ... import _compat
 from ...attention.mask_patterns import read_function
+from ...attention.scores import NONE, ScoreMods, reference
 from .signatures import collect
 
 STAND_IN = "seqpar_hf_dry_run"  # the attention implementation a dry run selects
@@ -279,7 +280,12 @@ class Run:
             return self.original(module, query, key, value, attention_mask, **kwargs)
         if self.real is not None:
             return softmax_attention(
-                query, key, value, self.real(self.attention[-1], query, key), kwargs.get("scaling")
+                query,
+                key,
+                value,
+                self.real(self.attention[-1], query, key),
+                kwargs.get("scaling"),
+                ScoreMods.of(kwargs),
             )
         h, d_v = query.shape[1], value.shape[-1]
         if kv_side == q_side and key.shape[2] == query.shape[2]:
@@ -291,12 +297,15 @@ class Run:
         return out.transpose(1, 2).contiguous(), None  # [b, s_q, h, d_v]
 
 
-def softmax_attention(query, key, value, mask, scaling=None):
+def softmax_attention(query, key, value, mask, scaling=None, mods: ScoreMods = NONE):
     """Plain attention: q [b, h, s_q, d], k/v [b, h_kv, s_k, d_v], mask [b or 1, 1, s_q, s_k] (bool:
-    True attends; else added) -> [b, s_q, h, d_v]."""
+    True attends; else added) -> [b, s_q, h, d_v]; with soft-capping and sinks where the call has them."""
     h = query.shape[1]
     index = torch.arange(h, device=query.device) * key.shape[1] // h  # GQA: each query head's kv head
     k, v = key.index_select(1, index), value.index_select(1, index)
+    if mods.active and (mask is None or mask.dtype == torch.bool):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return reference(query, k, v, mask, scale, mods).to(v.dtype).transpose(1, 2).contiguous(), None
     wide = torch.promote_types(query.dtype, torch.float32)
     scores = (query @ k.transpose(-1, -2)).to(wide) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     if mask is not None:

@@ -17,7 +17,7 @@ from ..families import AttentionModule, ModelFamily
 from ..forward.default_positions import RULES, compute
 from ..forward.sites import original_function
 from ..tp.tp_checks import layer_inputs
-from . import dryrun, packed_probe, probe
+from . import dryrun, packed_probe, probe, score_mods
 from .attention_calls import site_records
 from .probe_checks import Refusal, post_processing, tolerance
 from .signatures import error
@@ -118,6 +118,7 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         backbone = observed.backbone
         _, batch, _, _ = observed.full
         records = site_records(observed.calls, original, _valid(batch, kind))
+        score_mods.check(pretrained, observed.calls, original)
         attention, local = _sites(records, observed, pretrained)
         _check_loss(observed.loss_convention, kind)
         positions, stacks = structure(pretrained, kind, backbone)

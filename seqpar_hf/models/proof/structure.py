@@ -1,8 +1,8 @@
 """What a model's config and module tree show before any dry run: attention that spans the whole
-sequence by construction (relative position biases, ALiBi, soft-capping, chunked attention, learned
-sinks) is refused; the backbone's position modules and layer stacks are found (models/families.py), and
-position modules that cannot be given global positions are refused. Every refusal names the value, why,
-and the fix.
+sequence by construction (relative position biases, ALiBi, chunked attention) is refused (soft-capping
+and sinks are honoured, proven per module: proof/score_mods.py); the backbone's position modules and
+layer stacks are found (models/families.py), and position modules that cannot be given global positions
+are refused. Every refusal names the value, why, and the fix.
 """
 
 from __future__ import annotations
@@ -40,25 +40,11 @@ def check_structure(model: nn.Module, config, name: str) -> None:
             "its attention uses ALiBi or relative-key position biases that span the whole sequence",
             "Use a model with rotary or absolute positions",
         )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        _refuse(
-            name,
-            f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) has no "
-            "sharded kernel here",
-            "Set config.attn_logit_softcapping = None before patching (Gemma 2 "
-            "trains well without it), or train without sequence parallelism",
-        )
     if getattr(config, "attention_chunk_size", None):
         _refuse(
             name,
             f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
             "Set config.attention_chunk_size = None to train with full attention",
-        )
-    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules()):
-        _refuse(
-            name,
-            "its attention has learned sinks, which the sharded kernels here do not take",
-            "Train it without sequence parallelism",
         )
 
 
