@@ -104,6 +104,10 @@ VARIANTS: dict[str, dict] = {
         _attrs={"model.decoder.layers.*.self_attn": {"is_causal": False}}, _attn="eager"
     ),
     "t5gemma:no_softcap": dict(encoder={"attn_logit_softcapping": None}, decoder={"attn_logit_softcapping": None}),
+    # Llama 4 as its refusals say to train it: no chunks, no temperature tuning (its NoPE layer stays NoPE)
+    "llama4:full_attention": dict(
+        attention_chunk_size=None, layer_types=["full_attention"] * 2, attn_temperature_tuning=False
+    ),
 }
 
 # (status, reason): UNBUILDABLE (cannot be built here) or NOT-A-TEXT-LM (built, but it is not a model that

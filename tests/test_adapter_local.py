@@ -114,6 +114,21 @@ def test_structural_refusals_name_the_reason_and_the_fix():
     bloom = BloomForCausalLM(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="BloomForCausalLM: transformer \\(BloomModel\\) computes attention itself"):
         seqpar_hf.patch_model(bloom, seqpar_hf.ParallelLayout(sp_size=1))
+    # Llama 4 with its chunks off: the NoPE layers' temperature tuning counts positions from 0 in each call, and
+    # only past floor_scale (8192) tokens, which no dry run reaches (accepted before, silently wrong under SP)
+    from transformers import Llama4ForCausalLM
+
+    from conformance.tiny import build_config
+
+    config = build_config("llama4_text", {"attention_chunk_size": None, "layer_types": ["full_attention"] * 2})
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.self_attn scales its queries.*floor_scale=8192.*"
+        r"attn_temperature_tuning = False",
+    ):
+        seqpar_hf.patch_model(Llama4ForCausalLM(config), seqpar_hf.ParallelLayout(sp_size=1))
+    config.attn_temperature_tuning = False
+    seqpar_hf.patch_model(Llama4ForCausalLM(config), seqpar_hf.ParallelLayout(sp_size=1))  # then accepted
 
 
 def test_attention_outside_a_sharded_forward_stops_with_the_fix():

@@ -44,7 +44,23 @@ def check_structure(model: nn.Module, config, name: str) -> None:
         _refuse(
             name,
             f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
-            "Set config.attention_chunk_size = None to train with full attention",
+            "Set config.attention_chunk_size = None and every entry of config.layer_types to 'full_attention' to "
+            "train with full attention",
+        )
+    tuned = [
+        n
+        for n, m in model.named_modules()
+        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", False)
+    ]
+    if tuned:  # past the dry run's lengths: it cannot see it (Llama 4's floor_scale is 8192)
+        _refuse(
+            name,
+            f"{tuned[0]} scales its queries by their position counted from 0 in each call (attention temperature "
+            "tuning of its NoPE layers: attn_temperature_tuning=True, "
+            f"floor_scale={getattr(config, 'floor_scale', '?')}), so every "
+            "rank would count its shard from 0 (silently wrong past floor_scale tokens)",
+            "Set config.attn_temperature_tuning = False before building the model (identical below floor_scale "
+            "tokens), or train without sequence parallelism",
         )
 
 
