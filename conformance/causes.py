@@ -23,8 +23,7 @@ CAUSES = (  # (pattern in the message, cause), first match wins
     ),
     (
         r"passes (softcap|s_aux|sinks|position_bias|indices|block_indices)=",
-        "an attention keyword the sharded "
-        "attention does not honour: soft-capping, sinks, position bias, sparse indices (named)",
+        "an attention keyword the sharded attention does not honour: position bias, sparse indices (named)",
     ),
     (
         r"is given a pattern other than|says is_causal",
@@ -32,7 +31,7 @@ CAUSES = (  # (pattern in the message, cause), first match wins
         "learned bias, or is_causal against the mask (named)",
     ),
     (r"relative position bias|ALiBi", "relative position bias or ALiBi over the whole sequence"),
-    (r"soft-capping|learned sinks|chunked attention", "soft-capping, sinks or chunked attention in the config"),
+    (r"chunked attention|temperature tuning", "chunked attention or query temperature tuning (Llama 4)"),
     (
         r"no shift|not the token-mean|shifts its encoder-decoder labels",
         "a loss other than the causal / "
