@@ -28,8 +28,8 @@ ALL = (P, K, G)
 # (model_type, class, layouts, variants): every variant on every listed layout. Rows refused at patch_model
 # run the padded variant only (the refusal is the same for every batch).
 SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
-    ("llama", "LlamaForCausalLM", ("ulysses", "ring", "tp2", "hybrid"), ALL),
-    ("qwen3", "Qwen3ForCausalLM", ("ulysses", "ring"), ALL),
+    ("llama", "LlamaForCausalLM", ("ring", "tp2", "hybrid"), ALL),  # Ulysses: the parity and packing runs
+    ("qwen3", "Qwen3ForCausalLM", ("ulysses",), ALL),
     ("qwen3", "Qwen3ForCausalLM", ("tp2",), (P, K)),
     ("mistral", "MistralForCausalLM", ("ring",), ALL),  # window 4 < every batch
     ("gemma3_text", "Gemma3ForCausalLM", ("ulysses", "hybrid"), ALL),  # sliding:full pattern
@@ -48,7 +48,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("gpt2", "GPT2LMHeadModel", ("ring",), ALL),  # learned absolute positions, a table of 32
     ("ministral3", "Ministral3ForCausalLM", ("ulysses",), (P, G)),  # yarn whose original length (8) < the batch
     ("phi3", "Phi3ForCausalLM", ("ulysses", "ring"), (P,)),  # fused qkv + window
-    ("marian", "MarianMTModel", ("ulysses", "ring", "hybrid"), ALL),
+    ("marian", "MarianMTModel", ("ring", "hybrid"), ALL),  # Ulysses: the parity and generation runs
     ("marian", "MarianMTModel", ("tp2",), (P, K)),
     ("bart", "BartForConditionalGeneration", ("ring",), ALL),
     ("m2m_100", "M2M100ForConditionalGeneration", ("ulysses",), ALL),  # padding-aware sinusoidal positions

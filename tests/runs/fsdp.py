@@ -81,14 +81,14 @@ LOOPS = [
     dict(name="sp2xdp2-llama", family="llama", sp=2),
     dict(name="sp2xdp2-marian", family="marian", sp=2),
     dict(name="sp4-ring-llama", family="llama", sp=4, mode="ring"),
-    dict(name="sp2xdp2-llama-tiled-loss", family="llama", sp=2, tiled=True),
-    dict(name="tp2xsp2-llama", family="llama", sp=2, tp=2),
-    # seqpar_hf/memory/: layer inputs offloaded to host memory (with FSDP2, with TP), the MLP over tiles of 2 tokens
+    # seqpar_hf/memory/: layer inputs offloaded to host memory (with FSDP2, with TP), the MLP over tiles of 2 tokens;
+    # with the tiled loss
     dict(
-        name="sp2xdp2-llama-offload-tiled-mlp",
+        name="sp2xdp2-llama-offload-tiled-mlp-tiled-loss",
         family="llama",
         sp=2,
         checkpointing=True,
+        tiled=True,
         patch=dict(offload_activations=True, tiled_mlp=2),
     ),
     dict(
