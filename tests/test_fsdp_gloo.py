@@ -28,7 +28,9 @@ def test_fsdp_training_equals_one_process(loops, name):
         assert abs(got - want) <= LOSS_TOL * abs(want), r
 
 
-@pytest.mark.parametrize("name", ["sp2xdp2-llama", "sp2xdp2-marian", "sp4-ring-llama", "tp2xsp2-llama-offload"])
+@pytest.mark.parametrize(
+    "name", ["sp2xdp2-llama", "sp2xdp2-marian", "sp4-ring-llama", "tp2xsp2-llama-offload-tiled-mlp"]
+)
 def test_each_rank_holds_a_shard_of_the_model_state(loops, name):
     r = loops[name]
     summary = r["summary"]

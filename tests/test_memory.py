@@ -149,14 +149,6 @@ def test_tiled_mlp_bad_values(value):
         seqpar_hf.patch_model(build_model("llama"), SP1, tiled_mlp=value)
 
 
-def test_tiled_mlp_refused_under_tensor_parallelism():
-    from seqpar_hf.models.patch import _tiled_mlps
-
-    with pytest.raises(ValueError, match="tiled_mlp=True with tp_size=2: a tensor-parallel MLP reduce-scatters"):
-        _tiled_mlps(None, True, 2, False)
-    assert _tiled_mlps(None, "auto", 2, False) == []
-
-
 def test_offload_without_gradient_checkpointing_is_refused():
     model = seqpar_hf.patch_model(build_model("llama"), SP1, offload_activations=True)
     batch = make_batch("llama", seed=3)

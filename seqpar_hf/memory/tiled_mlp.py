@@ -22,13 +22,28 @@ def _spans(length: int, tile: int):
     return [(start, min(start + tile, length)) for start in range(0, length, tile)]
 
 
-def _tiles(forward, x: torch.Tensor, dim: int, tile: int) -> torch.Tensor:
-    """forward(x) computed over tiles of `tile` positions along `dim`, into one output tensor."""
+def _tile_input(x: torch.Tensor, dim: int, start: int, end: int, tp: int) -> torch.Tensor:
+    """Tile [start, end) of the output positions: under TP (`tp` > 1) the MLP's input is the TP group's slices
+    gathered in rank order (the sequence-parallel regions) and its row-parallel output is reduce-scattered
+    back to this rank's slice, so the tile takes the same positions of every rank's slice, in rank order."""
+    if tp == 1:
+        return x.narrow(dim, start, end - start)
+    local = x.shape[dim] // tp
+    return torch.cat([x.narrow(dim, r * local + start, end - start) for r in range(tp)], dim=dim)
+
+
+def _tiles(forward, x: torch.Tensor, dim: int, tile: int, tp: int = 1) -> torch.Tensor:
+    """forward(x) computed over tiles of `tile` output positions along `dim`, into one output tensor."""
     out = None
-    for start, end in _spans(x.shape[dim], tile):
-        part = forward(x.narrow(dim, start, end - start))  # [b, tile, h]
+    for start, end in _spans(x.shape[dim] // tp, tile):
+        part = forward(_tile_input(x, dim, start, end, tp))  # [b, tile, h]
+        if part.shape[dim] != end - start:  # under TP: an MLP whose input the TP plan does not gather
+            raise RuntimeError(
+                f"tiled MLP: a tile of {end - start} positions gave {part.shape[dim]} (tp_size={tp}); "
+                "use tiled_mlp=False"
+            )
         if out is None:
-            out = part.new_empty((*x.shape[:-1], part.shape[-1]))  # [b, s, h_out]
+            out = part.new_empty((*x.shape[:dim], x.shape[dim] // tp, part.shape[-1]))  # [b, s, h_out]
         out.narrow(dim, start, end - start).copy_(part)
     assert out is not None
     return out
@@ -36,45 +51,49 @@ def _tiles(forward, x: torch.Tensor, dim: int, tile: int) -> torch.Tensor:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, dim: int, tile: int, x: torch.Tensor, *params: torch.Tensor):
-        ctx.forward, ctx.dim, ctx.tile, ctx.params = forward, dim, tile, params
+    def forward(ctx, forward, dim: int, tile: int, tp: int, x: torch.Tensor, *params: torch.Tensor):
+        ctx.forward, ctx.dim, ctx.tile, ctx.tp, ctx.params = forward, dim, tile, tp, params
         ctx.save_for_backward(x)  # only the input: through any saved-tensors hooks (checkpoint, offload, TP)
         with torch.no_grad():
-            return _tiles(forward, x, dim, tile)
+            return _tiles(forward, x, dim, tile, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        dim, tile, params = ctx.dim, ctx.tile, ctx.params
-        wants_x = ctx.needs_input_grad[3]
-        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
+        dim, tile, tp, params = ctx.dim, ctx.tile, ctx.tp, ctx.params
+        wants_x = ctx.needs_input_grad[4]
+        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[5 + i]]
         grad_x = torch.empty_like(x) if wants_x else None
         sums: list = [None] * len(params)
-        for start, end in _spans(x.shape[dim], tile):
-            part = x.narrow(dim, start, end - start).detach().requires_grad_(wants_x)  # [b, tile, h]
+        local = x.shape[dim] // tp
+        for start, end in _spans(local, tile):
+            part = _tile_input(x, dim, start, end, tp).detach().requires_grad_(wants_x)  # [b, tp * tile, h]
             with torch.enable_grad():
                 out = ctx.forward(part)
             inputs = ([part] if wants_x else []) + [params[i] for i in wanted]
             got = torch.autograd.grad(out, inputs, grad.narrow(dim, start, end - start), allow_unused=True)
             if wants_x:
                 assert grad_x is not None
-                grad_x.narrow(dim, start, end - start).copy_(got[0])
+                n = end - start
+                for r in range(tp):  # back to each rank's slice (tp 1: the tile itself)
+                    grad_x.narrow(dim, r * local + start, n).copy_(got[0].narrow(dim, r * n, n))
                 got = got[1:]
             for i, g in zip(wanted, got):
                 if g is not None:
                     g = g.float() if g.is_floating_point() and g.element_size() < 4 else g
                     sums[i] = g if sums[i] is None else sums[i] + g
         grads = [s.to(p.dtype) if s is not None else None for s, p in zip(sums, params)]
-        return (None, None, None, grad_x, *grads)
+        return (None, None, None, None, grad_x, *grads)
 
 
 class TiledForward:
     """An MLP module's forward (an instance attribute set by patch_model), computed over sequence tiles of
     its hidden states [b, s, h] when `tile_tokens(...)` says so; any other call runs the original."""
 
-    def __init__(self, module: torch.nn.Module, original, tile: int | None, auto: bool, width: int):
+    def __init__(self, module: torch.nn.Module, original, tile: int | None, auto: bool, width: int, tp: int = 1):
         self.module, self.original = module, original
         self.tile, self.auto, self.width = tile, auto, width  # tile: tokens per tile (None: the hidden size)
+        self.tp = tp  # > 1: its input is the TP group's sequence slices gathered, its output this rank's slice
 
     def tile_length(self, x: torch.Tensor) -> int | None:
         """Positions per tile along the sequence dim (None: run whole)."""
@@ -84,7 +103,7 @@ class TiledForward:
             return None
         tile = self.tile if self.tile is not None else x.shape[-1]  # ALST: about hidden-size tokens per tile
         length = max(1, tile // rows)
-        return length if length < x.shape[-2] else None
+        return length if length < x.shape[-2] // self.tp else None
 
     def __call__(self, *args, **kwargs):
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -96,8 +115,8 @@ class TiledForward:
         dim = x.dim() - 2  # the sequence: [b, s, h]
         params = list(self.module.parameters())
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return _TiledMLP.apply(self.original, dim, length, x, *params)
-        return _tiles(self.original, x, dim, length)
+            return _TiledMLP.apply(self.original, dim, length, self.tp, x, *params)
+        return _tiles(self.original, x, dim, length, self.tp)
 
 
 class TiledMLPs:
@@ -106,9 +125,9 @@ class TiledMLPs:
     def __init__(self) -> None:
         self.modules: list[tuple[torch.nn.Module, bool, object]] = []  # (module, had an instance forward, it)
 
-    def install(self, module: torch.nn.Module, tile: int | None, auto: bool, width: int) -> None:
+    def install(self, module: torch.nn.Module, tile: int | None, auto: bool, width: int, tp: int = 1) -> None:
         self.modules.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-        module.forward = TiledForward(module, module.forward, tile, auto, width)
+        module.forward = TiledForward(module, module.forward, tile, auto, width, tp)
 
     def remove(self) -> None:
         for module, had, previous in self.modules:

@@ -264,14 +264,8 @@ def _tiled_mlps(family: ModelFamily, tiled_mlp, tp: int, offload_activations) ->
         or (is_int and tiled_mlp >= 1)
     ):
         raise ValueError(f"tiled_mlp={tiled_mlp!r}: use True, False, 'auto' or a positive number of tokens per tile")
-    if tiled_mlp is False or (tiled_mlp == "auto" and tp > 1):
+    if tiled_mlp is False:
         return []
-    if tp > 1:
-        raise ValueError(
-            f"tiled_mlp={tiled_mlp!r} with tp_size={tp}: a tensor-parallel MLP reduce-scatters each call's sequence "
-            "over the TP group, so tiles would interleave the ranks' slices; use tiled_mlp=False or 'auto' (off "
-            "under TP)"
-        )
     mlps, skipped = find_mlps(family, required=tiled_mlp != "auto")
     if skipped:
         warnings.warn(f"seqpar_hf: tiled_mlp='auto' leaves these MLPs whole: {'; '.join(skipped)}", stacklevel=4)
@@ -286,7 +280,7 @@ def _install_memory(state: PatchState, family: ModelFamily, mlps: list, tiled_ml
         state.tiled_mlp_setting = {True: -1, "auto": -2}.get(tiled_mlp, tile or 0)  # compared across the replica
         for _, module in mlps:
             width = max(size for p in module.parameters() for size in p.shape)  # the intermediate's width
-            tiled.install(module, tile, tiled_mlp == "auto", width)
+            tiled.install(module, tile, tiled_mlp == "auto", width, state.layout.sizes.tp_size)
         state.tiled_mlps = [name for name, _ in mlps]
         state.hooks.append(tiled)
     if offload:

@@ -165,7 +165,8 @@ def plan(model: Model, layout: Layout, seq_len: int, gpus: int, act_bytes: int =
     per_layer = 2 * (2 * h + 1) + h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + mlp
     if tp > 1:  # TP+SP: norms sharded by tp, the all-gathered inputs of q and gate kept whole
         per_layer = (2 * (2 * h + 1)) / tp + 2 * h + (q_dim + 2 * kv_eff) + q_dim + lse + extra + mlp
-    tile = min(local, h) * 6 * ffn * e if layout.tiled_mlp else 0.0
+    # a tile: hidden-size positions of this rank's slice (under TP, of each TP rank's slice: tp times the tokens)
+    tile = min(local, h * tp) * 6 * ffn * e if layout.tiled_mlp else 0.0
     final = 2 * h + 1  # final norm
     # checkpointed inputs on the device: every layer's, or with offload the one being copied and the one prefetched
     kept = min(2, m.layers) * h if layout.offload else m.layers * h

@@ -30,7 +30,7 @@ def layouts(model: Model, gpus: int, offload: bool = False, tiled_mlp: bool = Fa
                 for checkpointing in (False, True):
                     for tiled in (False, True):
                         for off in (False, True) if offload and checkpointing else (False,):
-                            for mlp in (False, True) if tiled_mlp and tp == 1 else (False,):
+                            for mlp in (False, True) if tiled_mlp else (False,):
                                 out.append(Layout(sp, tp, mode, checkpointing, tiled, offload=off, tiled_mlp=mlp))
     return out
 

@@ -92,11 +92,11 @@ LOOPS = [
         patch=dict(offload_activations=True, tiled_mlp=2),
     ),
     dict(
-        name="tp2xsp2-llama-offload",
+        name="tp2xsp2-llama-offload-tiled-mlp",
         family="llama",
         sp=2,
         tp=2,
         checkpointing=True,
-        patch=dict(offload_activations=True),
+        patch=dict(offload_activations=True, tiled_mlp=2),
     ),
 ]

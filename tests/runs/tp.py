@@ -46,7 +46,7 @@ def run_case(case: dict) -> dict:
         model.gradient_checkpointing_enable()
         reference.gradient_checkpointing_enable()
     batches = [make_batch(family, seed=100 + d, **case.get("batch", {})) for d in range(layout.dp_size)]
-    seqpar_hf.patch_model(model, layout)
+    seqpar_hf.patch_model(model, layout, **case.get("patch", {}))
     result = {"name": case["name"]}
     if case.get("eval"):
         model.eval(), reference.eval()
@@ -98,6 +98,8 @@ def _cases_world2():
         dict(name="tp2-qwen3", family="qwen3", sp=1, tp=2),
         dict(name="tp2-llama-eval", family="llama", sp=1, tp=2, eval=True),
         dict(name="tp2-llama-checkpointing", family="llama", sp=1, tp=2, checkpointing=True),
+        # the MLP over sequence tiles of 2 tokens: each tile all-gathered over TP and reduce-scattered back
+        dict(name="tp2-llama-tiled-mlp", family="llama", sp=1, tp=2, checkpointing=True, patch=dict(tiled_mlp=2)),
         dict(name="tp2-marian-checkpointing", family="marian", sp=1, tp=2, checkpointing=True),
         dict(name="tp2-marian-eval", family="marian", sp=1, tp=2, eval=True),
     ]
