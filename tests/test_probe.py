@@ -392,3 +392,27 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_decoder_inputs_from_labels_as_the_model_builds_them():
+    """Florence-2 shifts its labels with its text config's start token (2), where its top-level config says 0:
+    the patched loss trained on other decoder inputs (WRONG, gradients 0.87 off at sp=2). The ids its own
+    forward uses are read at patch time, and the patched loss is the unpatched one."""
+    from transformers import Florence2ForConditionalGeneration
+
+    import seqpar_hf
+    from conformance.tiny import build_config
+
+    vision = dict(depths=[1], embed_dim=[8], num_heads=[1], num_groups=[1], window_size=2, projection_dim=16)
+    vision.update(patch_size=[7], patch_stride=[4], patch_padding=[3], patch_prenorm=[False])
+    torch.manual_seed(0)
+    model = Florence2ForConditionalGeneration(build_config("florence2", {"vision_config": vision})).eval()
+    assert inspect_model(model).decoder_ids == (2, 1)  # (start, pad) of its text config
+    assert inspect_model(_model("marian", "MarianMTModel")).decoder_ids is None  # its own builder reproduces it
+    batch = {"input_ids": torch.randint(3, 50, (2, 7)), "labels": torch.randint(3, 50, (2, 5))}
+    batch["labels"][1, -2:] = -100
+    with torch.no_grad():
+        want = model(**batch).loss
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+        got = model(**batch).loss
+    assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())

@@ -45,6 +45,9 @@ class ModelFamily:
     layer_inputs: dict = field(default_factory=dict)  # layer path -> its per-token inputs (tp/tp_checks.py)
     inplace_outputs: set = field(default_factory=set)  # nn.Linear paths whose outputs the model writes in place
     packed_rows: dict = field(default_factory=dict)  # kind of packed batch -> why refused (proof/packed_probe.py)
+    # seq2seq: decoder inputs from labels as the model builds them (proof/decoder_inputs.py): None (seqpar_hf's
+    # builder), (start, pad) ids its forward uses, or "refuse" (labels alone are refused; pass decoder_input_ids)
+    decoder_ids: tuple | str | None = None
     dry_run_seconds: float = 0.0
 
 

@@ -249,7 +249,13 @@ class LMForward(Wrapper):
             and kwargs.get("decoder_input_ids") is None
             and kwargs.get("decoder_inputs_embeds") is None
         ):
-            kwargs["decoder_input_ids"] = labels_.decoder_inputs(model, labels, kwargs.get("decoder_position_ids"))
+            if family.decoder_ids == "refuse":
+                raise ValueError(
+                    f"{type(model).__name__} builds its decoder inputs from labels in a way seqpar_hf does not "
+                    "reproduce (seen at patch time): pass decoder_input_ids with the labels"
+                )
+            ids = family.decoder_ids if isinstance(family.decoder_ids, tuple) else None
+            kwargs["decoder_input_ids"] = labels_.decoder_inputs(model, labels, kwargs.get("decoder_position_ids"), ids)
         use_cache = _use_cache(kwargs, model)
         kwargs["use_cache"] = False  # no cache under SP: its lengths would be local
         plans = _output_plans(family.kind, layout, kwargs)  # the plans the backbone will use

@@ -27,14 +27,17 @@ def count(kind: str, labels: torch.Tensor) -> torch.Tensor:
     return (targets(kind, labels) != IGNORE_INDEX).sum()
 
 
-def decoder_inputs(model, labels: torch.Tensor, decoder_position_ids=None) -> torch.Tensor:
+def decoder_inputs(
+    model, labels: torch.Tensor, decoder_position_ids=None, start_pad: tuple | None = None
+) -> torch.Tensor:
     """Decoder inputs from the FULL labels, as the model builds them (shifted right, -100 -> pad, the
     start token first). Packed rows (`decoder_position_ids` restarting at 0 for every pair): the model's
     own builder applied to each pair alone, so each pair starts as the model starts it (mBART: with the
-    pair's language code, its last label); without a builder, with `decoder_start_token_id`."""
+    pair's language code, its last label); without a builder, with `decoder_start_token_id`. `start_pad`: the ids
+    (start, pad) the model's forward was seen to use at patch time (proof/decoder_inputs.py), not the config's."""
     config = model.config
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    start = config.decoder_start_token_id
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None) if start_pad is None else None
+    start = _setting(config, "decoder_start_token_id") if start_pad is None else start_pad[0]
     if decoder_position_ids is None and prepare is not None:
         return prepare(labels=labels)
     if prepare is not None:
@@ -44,13 +47,25 @@ def decoder_inputs(model, labels: torch.Tensor, decoder_position_ids=None) -> to
             f"{type(model).__name__} has no decoder_start_token_id: pass decoder_input_ids with packed "
             "rows (each pair's target starting with its start token)"
         )
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    pad = _setting(config, "pad_token_id") if start_pad is None else start_pad[1]
+    pad = pad if pad is not None else 0
     ids = labels.new_full(labels.shape, start)
     ids[:, 1:] = labels[:, :-1]
     ids = ids.masked_fill(ids == IGNORE_INDEX, pad)
     if decoder_position_ids is not None:
         ids = torch.where(decoder_position_ids.expand_as(ids) == 0, torch.full_like(ids, start), ids)
     return ids
+
+
+def _setting(config, name: str):
+    """A token id of the config, else of its text config (composite configs such as Florence-2's keep them
+    there; transformers 5 configs raise AttributeError for a name they do not define)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    for c in (config, text):
+        value = getattr(c, name, None) if c is not None else None
+        if value is not None:
+            return value
+    return None
 
 
 def _per_pair(prepare, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

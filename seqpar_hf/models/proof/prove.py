@@ -17,7 +17,7 @@ from ..families import AttentionModule, ModelFamily
 from ..forward.default_positions import RULES, compute
 from ..forward.sites import original_function
 from ..tp.tp_checks import layer_inputs
-from . import dryrun, packed_probe, probe, score_mods
+from . import decoder_inputs, dryrun, packed_probe, probe, score_mods
 from .attention_calls import site_records
 from .probe_checks import Refusal, post_processing, tolerance
 from .signatures import error
@@ -145,6 +145,11 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
             head_post = post_processing(pretrained, *observed.head_logits)
         # the kinds of packed rows the unpatched model does not keep apart (seq2seq rows: seqpar_hf's convention)
         packed = packed_probe.check(pretrained, observed, records, original) if kind == "causal" else {}
+        decoder_ids = (
+            decoder_inputs.read(pretrained, backbone, batch, original)
+            if kind == "seq2seq" and backbone is not pretrained and observed.head_logits is not None
+            else None
+        )
     family = ModelFamily(
         kind,
         pretrained,
@@ -158,6 +163,7 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         observed.default_positions,
         head_post,
         packed_rows=packed,
+        decoder_ids=decoder_ids,
     )
     prefix = observed.backbone_name
     family.layer_inputs = layer_inputs(family, observed.full[0].calls, prefix)
