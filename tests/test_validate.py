@@ -132,3 +132,14 @@ def test_inputs_the_forward_would_pass_unsharded_are_refused():
     values = validate.extremes("causal", kw, None, None, torch.device("cpu")).tolist()
     with pytest.raises(NotImplementedError, match=r"token_type_ids= \(\(3, 11\)\)"):
         validate.check(inspect_model(llama), kw, None, None, values)
+
+
+def test_multi_axis_positions_are_refused_by_name():
+    """M-RoPE positions [axes, b, s] (what a vision-language model's generate passes) are not sharded: refused
+    as not supported, not as a bad batch (Cosmos3-Omni's generate raised the shape error before)."""
+    llama = build("llama")
+    ids = BATCHES["causal-labels-longer"][1]["input_ids"]
+    kw = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).expand(3, *ids.shape)}
+    values = validate.extremes("causal", kw, None, None, torch.device("cpu")).tolist()
+    with pytest.raises(NotImplementedError, match=r"position_ids of shape \(3, 3, 11\): multi-axis positions"):
+        validate.check(inspect_model(llama), kw, None, None, values)

@@ -156,6 +156,12 @@ def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple) -
     pos_key = "position_ids" if first == "attention_mask" else "decoder_position_ids"
     pos = kw.get(pos_key)
     if isinstance(pos, torch.Tensor):
+        if pos.dim() == 3 and pos.shape[1:] in ((b, s), (1, s)):
+            raise NotImplementedError(
+                f"{pos_key} of shape {_shape(pos)}: multi-axis positions (M-RoPE, one row of positions per axis, as "
+                "vision-language models' generate passes them) are not sharded under sequence parallelism yet; "
+                "run it without SP (`with seqpar_hf.sp_disabled(model):`)"
+            )
         rows = pos.unsqueeze(0) if pos.dim() == 1 else pos
         if rows.dim() != 2 or rows.shape[1] != s or rows.shape[0] not in (1, b):
             raise RuntimeError(
