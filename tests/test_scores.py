@@ -86,3 +86,25 @@ def test_a_cap_the_attention_function_reads_otherwise_is_refused(monkeypatch):
     model = build_model("gemma2", attn_logit_softcapping=0.5)
     with pytest.raises(ValueError, match=r"layers.0.self_attn \(Gemma2Attention\) passes softcap=0.5 to its attention"):
         seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+
+
+def test_math_kernels_over_row_chunks_with_the_causal_flag(monkeypatch):
+    """A ring of one under Ulysses takes the kernel's causal flag (no [S, S] mask) and the math path goes over
+    query rows in chunks (here one row each): the same result and gradients as one softmax."""
+    monkeypatch.setattr(kernels, "MATH_CHUNK_ELEMENTS", 1)
+    g = torch.Generator().manual_seed(2)
+    b, h, s = 2, 4, 9
+    q, k, v = _inputs(g, b, h, h, s)
+    dout = torch.randn(b, h, s, 16, generator=g)
+    sink = torch.randn(h, generator=g)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    plan = RingPlan(None, (0,), 0, [Block(slice(0, s), slice(0, s), True, None)])
+    got = ring_attention(*leaves[:3], plan, 16**-0.5, None, ScoreMods(0.7, leaves[3]))
+    got.backward(dout)
+    ref = [x.detach().double().requires_grad_() for x in leaves]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    want = reference(*ref[:3], causal, 16**-0.5, ScoreMods(0.7, ref[3]))
+    want.backward(dout.double())
+    assert relative_error(got, want) < 1e-5
+    for a, e in zip(leaves, ref):
+        assert relative_error(a.grad, e.grad) < 1e-5
