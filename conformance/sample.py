@@ -14,8 +14,8 @@ absolute positions in a 32-row table (GPT-2), yarn whose original length is shor
 positions (RoBERTa), an LM forward around its backbone (OPT: its packed rows refused), a window only in the
 cache (Moshi), a config without pad_token_id (CodeGen), a bidirectional sliding-window encoder with
 soft-capping (T5Gemma), soft-capping (Gemma 2), learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and
-the refusals: short-conv hybrid (LFM2), Mamba hybrid (Jamba), gated-DeltaNet hybrid (Qwen3-Next), pure SSM
-(Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative position bias (T5), attention keywords (Inkling,
+token mixers run on the whole sequence (LFM2's short convolution, Jamba's and Nemotron-H's Mamba, Qwen3-Next's
+and Qwen3.5's gated DeltaNet), and the refusals: a mixer under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative position bias (T5), attention keywords (Inkling,
 DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models (EncoderDecoder), global-local attention
 (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms (Cohere), a plan that
 shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
@@ -65,10 +65,14 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
     ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP
     ("olmo:clip_qkv", "OlmoForCausalLM", ("tp2",), (P,)),  # TP: q / k / v clamped in place
+    # token mixers run on the whole sequence (models/mixers/gathered.py)
+    ("lfm2", "Lfm2ForCausalLM", ("ulysses",), (P, K)),  # short convolution
+    ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
+    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet (+ MoE); generate refused
+    ("qwen3_5", "Qwen3_5ForCausalLM", ("ring",), (P,)),  # gated DeltaNet, separate projections
+    ("nemotron_h", "NemotronHForCausalLM", ("ulysses",), (P,)),  # Mamba2 hybrid
     # refused at patch_model, naming the module and why
-    ("lfm2", "Lfm2ForCausalLM", ("ulysses", "tp2"), (P,)),  # A: short convolution
-    ("jamba", "JambaForCausalLM", ("ulysses",), (P,)),  # A: Mamba mixer
-    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P,)),  # A: gated DeltaNet
+    ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
     ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named
     ("openai-gpt", "OpenAIGPTLMHeadModel", ("ulysses",), (P,)),  # E5: attention written by hand, named
     ("bloom", "BloomForCausalLM", ("ulysses",), (P,)),
@@ -94,10 +98,8 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("llama", "tp2", G): _TP_GENERATE,
     ("opt", "ulysses", K): "lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents",
     ("gpt_oss", "ulysses", K): "lets model.layers.0.self_attn (GptOssAttention) attend across the documents",
-    ("lfm2", "ulysses"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
-    ("lfm2", "tp2"): f"model.layers.0.conv (Lfm2ShortConv) {_CONV}",
-    ("jamba", "ulysses"): f"model.layers.0.mamba (JambaMambaMixer) {_CONV}",
-    ("qwen3_next", "ulysses"): f"model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) {_CONV}",
+    ("lfm2", "tp2"): "layers.0.conv (Lfm2ShortConv) mixes tokens outside attention and runs on the whole sequence",
+    ("qwen3_next", "ulysses", G): "mixes tokens outside attention (Qwen3NextGatedDeltaNet)",
     ("mamba", "ulysses"): f"backbone.layers.0.mixer (MambaMixer) {_CONV}",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence

@@ -31,10 +31,11 @@ def _model(model_type: str, class_name: str):
 @pytest.mark.parametrize(
     "model_type,class_name,expected",
     [
-        ("lfm2", "Lfm2ForCausalLM", ["model.layers.0.conv (Lfm2ShortConv) runs a convolution along the sequence", FIX]),
-        ("jamba", "JambaForCausalLM", ["model.layers.0.mamba (JambaMambaMixer)", FIX]),
-        ("qwen3_next", "Qwen3NextForCausalLM", ["model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)", FIX]),
-        ("mamba", "MambaForCausalLM", ["backbone.layers.0.mixer (MambaMixer)", FIX]),
+        (
+            "mamba",
+            "MambaForCausalLM",
+            ["backbone.layers.0.mixer (MambaMixer) runs a convolution", "no keyword arguments", FIX],
+        ),
         ("rwkv", "RwkvForCausalLM", ["rwkv.blocks.0.attention.time_shift (ZeroPad2d)", FIX]),
         (
             "openai-gpt",
@@ -285,8 +286,7 @@ def test_a_backbone_alone_is_proven_the_same_way():
         inspect_model(_model("roberta", "RobertaForCausalLM").base_model, split=True).default_positions
         == "padding_aware"
     )
-    with pytest.raises(ValueError, match=r"Lfm2Model: layers\.0\.conv \(Lfm2ShortConv\) runs a convolution"):
-        inspect_model(_model("lfm2", "Lfm2ForCausalLM").base_model, split=True)
+    assert set(inspect_model(_model("lfm2", "Lfm2ForCausalLM").base_model, split=True).mixers) == {"layers.0.conv"}
 
 
 def test_composite_config_pad_id_from_text_config():
@@ -416,3 +416,25 @@ def test_decoder_inputs_from_labels_as_the_model_builds_them():
         seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
         got = model(**batch).loss
     assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
+
+
+@pytest.mark.parametrize(
+    "model_type,class_name,kind",
+    [
+        ("lfm2", "Lfm2ForCausalLM", "Lfm2ShortConv"),
+        ("jamba", "JambaForCausalLM", "JambaMambaMixer"),
+        ("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet"),
+    ],
+)
+def test_token_mixers_are_proven_to_run_whole(model_type, class_name, kind):
+    """A convolution / scan the shard runs name is run on the whole sequence (models/mixers/gathered.py)
+    when, so run, the shard runs agree with the full run at every token: every module of its class, and only
+    those (the attention stays sharded). Without split nothing is run whole."""
+    model = _model(model_type, class_name)
+    family = inspect_model(model, split=True)
+    backbone = family.backbone
+    assert family.mixers and {type(backbone.get_submodule(n)).__name__ for n in family.mixers} == {kind}
+    assert all(side == "decoder" for side in family.mixers.values())
+    assert family.attention  # and the model's attention is still sharded
+    assert inspect_model(model, split=False).mixers == {}
+

@@ -48,6 +48,8 @@ class ModelFamily:
     # seq2seq: decoder inputs from labels as the model builds them (proof/decoder_inputs.py): None (seqpar_hf's
     # builder), (start, pad) ids its forward uses, or "refuse" (labels alone are refused; pass decoder_input_ids)
     decoder_ids: tuple | str | None = None
+    # backbone-relative path -> side of the token mixers run on the whole sequence (models/mixers/gathered.py)
+    mixers: dict = field(default_factory=dict)
     dry_run_seconds: float = 0.0
 
 

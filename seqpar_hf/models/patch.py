@@ -30,6 +30,7 @@ from .forward.loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .forward.sites import AttentionSite, LocalSite, set_site
 from .forward.state import ATTN_NAME, PatchState, TiledLoss, attach, detach, state_of
 from .generation.generate import GenerateSP
+from .mixers import gathered
 from .proof.inspection import inspect_model
 from .proof.mlps import find_mlps
 from .registry import register
@@ -103,6 +104,13 @@ def patch_model(
         )
     _check_tiled_head(family, tiled_loss)
     mlps = _tiled_mlps(family, tiled_mlp, tp, offload_activations)
+    if tp > 1 and family.mixers:
+        name = sorted(family.mixers)[0]
+        raise ValueError(
+            f"seqpar_hf cannot shard {type(family.pretrained).__name__} with tensor parallelism: "
+            f"{name} ({type(family.backbone.get_submodule(name)).__name__}) mixes tokens outside attention and "
+            "runs on the whole sequence, which tensor parallelism does not split. Use tp_size=1"
+        )
     if tp > 1:
         tensor_parallel.check(family, layout)
         tp_checks.check(family, layout)
@@ -127,6 +135,8 @@ def patch_model(
     for site in family.local_attention:
         set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)
+    for name, side in family.mixers.items():
+        state.hooks += gathered.install(state, family.backbone.get_submodule(name), side, family.backbone, name)
     _install_memory(state, family, mlps, tiled_mlp, offload_activations)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))
     if family.has_lm_head and lm_loss:

@@ -161,3 +161,35 @@ def gather_sequence(x: torch.Tensor, plan, group, grad_scale: float, dim: int = 
     if group_size(group) == 1:
         return plan.unshard(x, dim)
     return GatherSequence.apply(x, plan, group, grad_scale, dim)
+
+
+class GatherForReplica(torch.autograd.Function):
+    """This rank's shard of a sequence -> the full sequence (sequence order, padding dropped) for a module
+    that every rank of the group then runs on all of it (models/mixers/gathered.py). Unlike
+    `GatherSequence`, each rank's copy feeds a different output (the rank's own tokens), so the backward
+    sums the ranks' gradients: a reduce-scatter of each rank's full-sequence gradient to its shard."""
+
+    @staticmethod
+    def forward(ctx, x, plan, group, dim):
+        ctx.plan, ctx.group, ctx.dim = plan, group, dim
+        return plan.unshard(_gather_cat(x, group, dim), dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, group, dim = ctx.plan, ctx.group, ctx.dim
+        n = group_size(group)
+        padded = plan.pad(grad, 0.0, dim)
+        order = torch.cat([plan.global_index(r, device=grad.device) for r in range(n)])
+        blocks = padded.index_select(dim, order).movedim(dim, 0)  # [n * s_loc, ...], rank blocks in group order
+        local = plan.local_length
+        send = blocks.reshape(n, local, *blocks.shape[1:]).contiguous()
+        out = send.new_empty(send.shape[1:])
+        dist.reduce_scatter_tensor(out, send.view(n * local, *send.shape[2:]), group=group)
+        return out.movedim(0, dim), None, None, None
+
+
+def gather_for_replica(x: torch.Tensor, plan, group, dim: int = 1) -> torch.Tensor:
+    """Differentiable `GatherForReplica`; for a group of one, the unpadding alone."""
+    if group_size(group) == 1:
+        return plan.unshard(x, dim)
+    return GatherForReplica.apply(x, plan, group, dim)

@@ -163,6 +163,12 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
         ),
         (kwargs.get("custom_generate") is not None, "custom_generate is not supported"),
         (
+            bool(state.family.mixers),
+            f"{type(model).__name__} mixes tokens outside attention ({', '.join(_kinds(state))}), whose recurrent and "
+            "convolution states the sequence-sharded cache does not hold yet; generate inside "
+            "seqpar_hf.sp_disabled(model) (one process's generation on this rank's data)",
+        ),
+        (
             config.cache_implementation not in (None, "dynamic"),
             f"cache_implementation={config.cache_implementation!r} (static, offloaded, quantized or compiled caches) "
             "is not supported; the KV cache is sharded along the sequence by seqpar_hf",
@@ -215,6 +221,11 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         state = torch.cat([state, torch.cuda.get_rng_state(device)])
     return state
+
+
+def _kinds(state: PatchState) -> list[str]:
+    backbone = state.family.backbone
+    return sorted({type(backbone.get_submodule(name)).__name__ for name in state.family.mixers})
 
 
 def _cache_argument(model) -> str:

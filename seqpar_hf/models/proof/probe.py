@@ -34,7 +34,7 @@ from ..forward import positions as positions_
 from ..forward.context import CONTEXT_KWARG
 from ..forward.inputs import shard_causal, shard_seq2seq
 from ..forward.sites import original_function
-from . import dryrun, probe_sizes
+from . import dryrun, mixers, probe_sizes
 from .probe_checks import Refusal, culprits, describe_culprit, loss_convention, tolerance
 
 BATCH, LEFT_PAD = 2, 3  # the lengths: models/proof/probe_sizes.py (25 and 21 tokens where the position tables allow)
@@ -228,10 +228,42 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
 
 
 def shard_check(
-    pretrained, observed: Observed, kind: str, family_positions: list, pad_id: int, ring: bool, original: str | None
-) -> None:
+    pretrained,
+    observed: Observed,
+    kind: str,
+    family_positions: list,
+    pad_id: int,
+    ring: bool,
+    original: str | None,
+    attention: set | frozenset = frozenset(),
+    tp: int = 1,
+) -> dict:
     """Refuse (Refusal) unless every module of the backbone computes on a shard what it computes on the
-    same tokens of the full sequence, in eval and in training mode."""
+    same tokens of the full sequence, in eval and in training mode, once the token mixers that can be run
+    whole (models/proof/mixers.py) are: {backbone-relative path: side} of those."""
+    whole: dict[str, str] = {}
+    reasons: dict[str, str] = {}  # why each module run whole mixes tokens
+    backbone, prefix = observed.backbone, observed.backbone_name
+    while True:
+        try:
+            found = _shard_runs(pretrained, observed, kind, family_positions, pad_id, ring, original, whole)
+        except mixers.NoContext as exc:
+            name = sorted(whole)[0]
+            raise Refusal(_path(prefix, name), f"{reasons[name]}; nor can it run on the whole sequence: {exc}", "") from None
+        if found is None:
+            return whole
+        name, clean, shard_rec = found
+        module = backbone.get_submodule(name) if name else backbone
+        why = describe_culprit(module, clean, shard_rec.ops, name)
+        side = mixers.side_of(shard_rec.calls.get(name, []), {})
+        if name in whole or side is None or mixers.why_not(backbone, name, attention, shard_rec.ops, clean, tp):
+            raise Refusal(_path(prefix, name), why, "")
+        whole.update({n: side for n in mixers.same_class(backbone, name)})
+        reasons.update({n: why for n in mixers.same_class(backbone, name)})
+
+
+def _shard_runs(pretrained, observed, kind, family_positions, pad_id, ring, original, whole: dict):
+    """The first (innermost culprit, modules proven to agree, shard recorder) of the shard runs, or None."""
     recorder, batch, lengths, backbone_kwargs = observed.full
     backbone, prefix = observed.backbone, observed.backbone_name
     names = {m: n for n, m in backbone.named_modules(remove_duplicate=False)}
@@ -241,22 +273,26 @@ def shard_check(
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
     dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), torch.float32)
     for training in (False, True):
-        if training:  # the full run again, in training mode (capacity-limited routing, batch statistics, ...)
-            recorder, _, _, error = run_forward(
-                backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn, True, True, log_ops=False
-            )
-            full_calls = recorder.calls
-            if error is not None:
-                raise Refusal(
-                    _path(prefix, error[1][-1] if error[1] else ""),
-                    "fails in a training-mode forward on a "
-                    "tiny batch: "
-                    f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}",
-                    "",
+        captured = mixers.Capture({n: backbone.get_submodule(n) for n in whole})
+        try:
+            if training or whole:  # the full run again (training: capacity-limited routing, batch statistics, ...)
+                recorder, _, _, error = run_forward(
+                    backbone, lambda: backbone(**backbone_kwargs), lengths, names, fn, True, training, log_ops=False
                 )
-        else:
-            full_calls = {_relative(prefix, n): v for n, v in recorder.calls.items()}  # names in the backbone
-            full_calls.pop(None, None)
+                full_calls = recorder.calls
+                if error is not None:
+                    raise Refusal(
+                        _path(prefix, error[1][-1] if error[1] else ""),
+                        f"fails in a {'training' if training else 'plain'}-mode forward on a "
+                        "tiny batch: "
+                        f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0][:200]}",
+                        "",
+                    )
+            else:
+                full_calls = {_relative(prefix, n): v for n, v in recorder.calls.items()}  # names in the backbone
+                full_calls.pop(None, None)
+        finally:
+            captured.remove()
         for rank in (0, 1):
             kw = dict(backbone_kwargs)
             ctx = shard(
@@ -273,14 +309,17 @@ def shard_check(
                 kw = {k: v for k, v in kw.items() if k in params}
             state = SimpleNamespace(active=ctx)
             hooks = positions_.install(state, SimpleNamespace(positions=family_positions), pad_id)
+            hooks += mixers.install_replayed(backbone, whole, captured)
             local = {meta.plan.local_length: side for side, meta in ctx.seqs.items()}
             try:
                 shard_rec, _, _, error = run_forward(
                     backbone, lambda: backbone(**kw), local, names, fn, False, training, log_ops=True
                 )
             finally:
-                for h in hooks:
+                for h in reversed(hooks):
                     h.remove()
+            if isinstance(error[0] if error else None, mixers.NoContext):
+                raise error[0]  # shard_check refuses, naming the mixer
             if error is not None:
                 where = _path(prefix, error[1][-1] if error[1] else "")
                 raise Refusal(
@@ -292,10 +331,8 @@ def shard_check(
             keep = _keep(ctx, lengths, batch, kind)
             found = culprits(full_calls, shard_rec.calls, keep, tolerance(dtype))
             if found:
-                name, clean = found[0]
-                module = backbone.get_submodule(name) if name else backbone
-                path = _path(prefix, name)
-                raise Refusal(path, describe_culprit(module, clean, shard_rec.ops, name), "")
+                return found[0][0], found[0][1], shard_rec
+    return None
 
 
 def _relative(prefix: str, name: str) -> str | None:

@@ -125,13 +125,23 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         no_positions = kind == "causal" and "position_ids" not in inspect.signature(backbone.forward).parameters
         if kind == "causal" and (split or not attention) and not no_positions:
             observed.default_positions = choose_default_positions(observed, pad_id, original)
+        mixers: dict = {}
         if split or not attention or no_positions:  # without attention (or positions), name what mixes tokens
-            probe.shard_check(pretrained, observed, kind, positions, pad_id, ring, original)
+            held = {a.name for a in attention + local}
+            mixers = probe.shard_check(pretrained, observed, kind, positions, pad_id, ring, original, held)
         if no_positions:
             raise Refusal(
                 "",
                 "runs a backbone that takes no position_ids, so shards cannot be given their global positions",
                 "Use a model whose forward takes position_ids",
+            )
+        if not attention and mixers:
+            first = sorted(mixers)[0]
+            raise Refusal(
+                f"{observed.backbone_name}.{first}".strip("."),
+                "mixes tokens without attention through transformers' AttentionInterface; its mixers would run "
+                "on the whole sequence on every rank, which divides nothing",
+                "Train it without sequence parallelism",
             )
         if not attention:
             raise Refusal(
@@ -164,6 +174,7 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         head_post,
         packed_rows=packed,
         decoder_ids=decoder_ids,
+        mixers=mixers,
     )
     prefix = observed.backbone_name
     family.layer_inputs = layer_inputs(family, observed.full[0].calls, prefix)
