@@ -437,4 +437,3 @@ def test_token_mixers_are_proven_to_run_whole(model_type, class_name, kind):
     assert all(side == "decoder" for side in family.mixers.values())
     assert family.attention  # and the model's attention is still sharded
     assert inspect_model(model, split=False).mixers == {}
-

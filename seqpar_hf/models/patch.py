@@ -30,7 +30,7 @@ from .forward.loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .forward.sites import AttentionSite, LocalSite, set_site
 from .forward.state import ATTN_NAME, PatchState, TiledLoss, attach, detach, state_of
 from .generation.generate import GenerateSP
-from .mixers import gathered
+from .mixers import install as mixers
 from .proof.inspection import inspect_model
 from .proof.mlps import find_mlps
 from .registry import register
@@ -135,8 +135,7 @@ def patch_model(
     for site in family.local_attention:
         set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)
-    for name, side in family.mixers.items():
-        state.hooks += gathered.install(state, family.backbone.get_submodule(name), side, family.backbone, name)
+    state.mixers = mixers.install(state, family, layout)
     _install_memory(state, family, mlps, tiled_mlp, offload_activations)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))
     if family.has_lm_head and lm_loss:

@@ -45,6 +45,27 @@ def layout_applied(layout, model) -> None:
     )
 
 
+def mixers(layout, backbone, chosen: dict) -> None:
+    """How the token mixers outside attention run (models/mixers/): split by heads, or whole and why."""
+    if not chosen or layout.rank != 0:
+        return
+    kinds: dict = {}
+    for name, how in chosen.items():
+        kinds.setdefault((type(backbone.get_submodule(name)).__name__, how), []).append(name)
+    for (kind, how), names in sorted(kinds.items()):
+        if how == "heads":
+            logger.info(
+                "%d %s layers split by heads over the %d ranks of the SP group", len(names), kind, layout.sp_size
+            )
+        else:
+            logger.info(
+                "%d %s layers run on the whole sequence on every rank (activations not divided by sp): it %s",
+                len(names),
+                kind,
+                how,
+            )
+
+
 def first_forward(layout, plans: dict) -> None:
     """`plans`: side ("encoder", "decoder") -> the `ShardPlan` of the model's first sharded forward."""
     if layout.sizes.sp_size * layout.sizes.tp_size == 1 or layout.rank != 0:

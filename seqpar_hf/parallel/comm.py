@@ -163,29 +163,51 @@ def gather_sequence(x: torch.Tensor, plan, group, grad_scale: float, dim: int = 
     return GatherSequence.apply(x, plan, group, grad_scale, dim)
 
 
+def _gather_unshard(x: torch.Tensor, plan, group, dim: int) -> torch.Tensor:
+    return plan.unshard(_gather_cat(x, group, dim), dim)
+
+
+def _reduce_scatter_shards(full: torch.Tensor, plan, group, dim: int) -> torch.Tensor:
+    """[.., S, ..] on every rank -> the sum over the group's ranks of their tensors, at this rank's tokens."""
+    n = group_size(group)
+    padded = plan.pad(full, 0.0, dim)
+    order = torch.cat([plan.global_index(r, device=full.device) for r in range(n)])
+    blocks = padded.index_select(dim, order).movedim(dim, 0)  # [n * s_loc, ...], rank blocks in group order
+    local = plan.local_length
+    send = blocks.contiguous()
+    out = send.new_empty((local, *send.shape[1:]))
+    dist.reduce_scatter_tensor(out, send, group=group)
+    return out.movedim(0, dim)
+
+
 class GatherForReplica(torch.autograd.Function):
     """This rank's shard of a sequence -> the full sequence (sequence order, padding dropped) for a module
-    that every rank of the group then runs on all of it (models/mixers/gathered.py). Unlike
-    `GatherSequence`, each rank's copy feeds a different output (the rank's own tokens), so the backward
-    sums the ranks' gradients: a reduce-scatter of each rank's full-sequence gradient to its shard."""
+    that every rank of the group then runs on all of it (models/mixers/). Unlike `GatherSequence`, each
+    rank's copy feeds a different output (the rank's own tokens, or its heads), so the backward sums the
+    ranks' gradients: a reduce-scatter of each rank's full-sequence gradient to its shard."""
 
     @staticmethod
     def forward(ctx, x, plan, group, dim):
         ctx.plan, ctx.group, ctx.dim = plan, group, dim
-        return plan.unshard(_gather_cat(x, group, dim), dim)
+        return _gather_unshard(x, plan, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, dim = ctx.plan, ctx.group, ctx.dim
-        n = group_size(group)
-        padded = plan.pad(grad, 0.0, dim)
-        order = torch.cat([plan.global_index(r, device=grad.device) for r in range(n)])
-        blocks = padded.index_select(dim, order).movedim(dim, 0)  # [n * s_loc, ...], rank blocks in group order
-        local = plan.local_length
-        send = blocks.reshape(n, local, *blocks.shape[1:]).contiguous()
-        out = send.new_empty(send.shape[1:])
-        dist.reduce_scatter_tensor(out, send.view(n * local, *send.shape[2:]), group=group)
-        return out.movedim(0, dim), None, None, None
+        return _reduce_scatter_shards(grad, ctx.plan, ctx.group, ctx.dim), None, None, None
+
+
+class SumToShard(torch.autograd.Function):
+    """Each rank's partial sum over the full sequence (its heads' share of an output projection) -> the
+    group's sum at this rank's tokens (reduce-scatter); the backward all-gathers the shards' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, plan, group, dim):
+        ctx.plan, ctx.group, ctx.dim = plan, group, dim
+        return _reduce_scatter_shards(x, plan, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_unshard(grad.contiguous(), ctx.plan, ctx.group, ctx.dim), None, None, None
 
 
 def gather_for_replica(x: torch.Tensor, plan, group, dim: int = 1) -> torch.Tensor:
@@ -193,3 +215,10 @@ def gather_for_replica(x: torch.Tensor, plan, group, dim: int = 1) -> torch.Tens
     if group_size(group) == 1:
         return plan.unshard(x, dim)
     return GatherForReplica.apply(x, plan, group, dim)
+
+
+def sum_to_shard(x: torch.Tensor, plan, group, dim: int = 1) -> torch.Tensor:
+    """Differentiable `SumToShard`; for a group of one, the padding alone."""
+    if group_size(group) == 1:
+        return plan.pad(x, 0.0, dim)
+    return SumToShard.apply(x, plan, group, dim)

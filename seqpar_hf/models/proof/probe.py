@@ -249,7 +249,9 @@ def shard_check(
             found = _shard_runs(pretrained, observed, kind, family_positions, pad_id, ring, original, whole)
         except mixers.NoContext as exc:
             name = sorted(whole)[0]
-            raise Refusal(_path(prefix, name), f"{reasons[name]}; nor can it run on the whole sequence: {exc}", "") from None
+            raise Refusal(
+                _path(prefix, name), f"{reasons[name]}; nor can it run on the whole sequence: {exc}", ""
+            ) from None
         if found is None:
             return whole
         name, clean, shard_rec = found

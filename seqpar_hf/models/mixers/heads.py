@@ -1,0 +1,191 @@
+"""A gated DeltaNet split by heads: each rank of the SP group runs the module's own forward on the whole
+sequence for its own key-head groups only, and the ranks' output projections are summed at each rank's tokens.
+
+The layer's input is all-gathered (as for a mixer run whole, `gathered.py`); then, in place of the full
+module, a head slice of it runs: every parameter indexed to this rank's key heads (the value heads, gates,
+decay, convolution channels and output-projection columns that belong to them), the module's head counts set
+to the slice's, and the same forward code run on it. What a head group computes depends on no other head, and
+the output projection is a sum over heads, so the group's sum of the slices' outputs is the module's output:
+one reduce-scatter returns it to the ranks' tokens (`comm.sum_to_shard`; its backward all-gathers). Each rank
+then holds the activations of 1/sp of the heads, and does 1/sp of the mixer's work.
+
+Which parameter rows belong to which key head is read off the module's structure (two layouts: the fused
+`in_proj_qkvz` / `in_proj_ba` of Qwen3-Next, the separate `in_proj_qkv` / `z` / `b` / `a` of Qwen3.5 and the
+models built like it), and proven at `patch_model` for the layout's head ranges: the slices' outputs, summed,
+must be the module's own on a random batch with padding. A module neither layout covers, or whose proof fails,
+or with fewer key heads than ranks, runs whole (`gathered.py`) and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...parallel.comm import gather_for_replica, sum_to_shard
+from ..forward.context import CONTEXT_KWARG
+from .gathered import ContextHolder, full_call
+
+_SHAPE = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+_FUSED = {"in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj"}
+_SEPARATE = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj"}
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """The head structure of a gated DeltaNet: key heads, value heads per key head, head widths, layout."""
+
+    fused: bool
+    k_heads: int
+    ratio: int
+    dk: int
+    dv: int
+
+    def rows(self, name: str, k0: int, k1: int) -> tuple[int, torch.Tensor] | None:
+        """(dim, indices) of parameter `name` that belong to key heads [k0, k1); None: shared by all heads."""
+        r, dk, dv, hk = self.ratio, self.dk, self.dv, self.k_heads
+        span = lambda start, width: torch.arange(start + k0 * width, start + k1 * width)
+        qkv = torch.cat([span(0, dk), span(hk * dk, dk), span(2 * hk * dk, r * dv)])
+        table = {
+            "conv1d.weight": (0, qkv),
+            "conv1d.bias": (0, qkv),
+            "dt_bias": (0, span(0, r)),
+            "A_log": (0, span(0, r)),
+            "out_proj.weight": (1, span(0, r * dv)),
+        }
+        if self.fused:  # one row block per key head: q, k, then its value heads' v and z (b, a likewise)
+            table["in_proj_qkvz.weight"] = (0, span(0, 2 * dk + 2 * r * dv))
+            table["in_proj_ba.weight"] = (0, span(0, 2 * r))
+        else:
+            table["in_proj_qkv.weight"] = (0, qkv)
+            table["in_proj_z.weight"] = (0, span(0, r * dv))
+            table["in_proj_b.weight"] = (0, span(0, r))
+            table["in_proj_a.weight"] = (0, span(0, r))
+        return table.get(name)
+
+    def attributes(self, k0: int, k1: int) -> dict:
+        k, v = k1 - k0, (k1 - k0) * self.ratio
+        return {
+            "num_k_heads": k,
+            "num_v_heads": v,
+            "key_dim": k * self.dk,
+            "value_dim": v * self.dv,
+            "conv_dim": 2 * k * self.dk + v * self.dv,
+        }
+
+
+def head_layout(module: nn.Module) -> HeadLayout | None:
+    """The module's head layout, or None when it is not a gated DeltaNet of a layout known here (every
+    parameter must be one the layout places, or shared by all heads: the norm's per-channel weight)."""
+    if not all(isinstance(getattr(module, a, None), int) for a in _SHAPE):
+        return None
+    children = {n for n, _ in module.named_children()}
+    fused = _FUSED <= children
+    if not fused and not _SEPARATE <= children:
+        return None
+    hk, hv, dk, dv = (int(getattr(module, a)) for a in _SHAPE)
+    if hk < 1 or hv % hk:
+        return None
+    layout = HeadLayout(fused, hk, hv // hk, dk, dv)
+    for name, p in module.named_parameters():
+        placed = layout.rows(name, 0, hk)
+        if placed is None and not name.startswith("norm."):
+            return None
+        if placed is not None and p.shape[placed[0]] != placed[1].numel():
+            return None
+    return layout
+
+
+def ranges(k_heads: int, n: int) -> list[tuple[int, int]]:
+    """Contiguous key-head ranges of the n ranks, as even as the count allows (the first ranks one more)."""
+    base, extra = divmod(k_heads, n)
+    bounds = [0]
+    for r in range(n):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@contextlib.contextmanager
+def sliced(module: nn.Module, layout: HeadLayout, k0: int, k1: int):
+    """Inside: `module` (its parameters and head counts) is its slice for key heads [k0, k1). The parameters
+    are index views of the module's own, so gradients reach them at the slice's rows."""
+    saved_params: list = []
+    saved_attrs: dict = {}
+    try:
+        for name, p in list(module.named_parameters()):
+            placed = layout.rows(name, k0, k1)
+            if placed is None:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            saved_params.append((owner, leaf, owner._parameters[leaf]))
+            dim, index = placed
+            owner._parameters[leaf] = p.index_select(dim, index.to(p.device))  # type: ignore[assignment]
+        for attr, value in layout.attributes(k0, k1).items():
+            if hasattr(module, attr):
+                saved_attrs[attr] = getattr(module, attr)
+                object.__setattr__(module, attr, value)
+        yield module
+    finally:
+        for owner, leaf, p in saved_params:
+            owner._parameters[leaf] = p
+        for attr, value in saved_attrs.items():
+            object.__setattr__(module, attr, value)
+
+
+def prove(module: nn.Module, original, layout: HeadLayout, n: int) -> str | None:
+    """None when the slices of `n` ranks' head ranges, summed, give the module's own output on a random
+    batch (two rows, the second left-padded); else why not."""
+    hk = layout.k_heads
+    if hk < n:
+        return f"has {layout.k_heads} key heads, fewer than the {n} ranks"
+    p = next(module.parameters())
+    width = int(module.get_submodule("out_proj").weight.shape[0])  # type: ignore[index]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 11, width, generator=g, dtype=torch.float64).to(p.device, p.dtype)
+    mask = torch.ones(2, 11, dtype=torch.long, device=p.device)
+    mask[1, :3] = 0
+    try:
+        with torch.no_grad():
+            want = original(x, attention_mask=mask)
+            got = sum(
+                _call(module, original, layout, k0, k1, (x,), {"attention_mask": mask})
+                for k0, k1 in ranges(layout.k_heads, n)
+            )
+    except Exception as exc:  # noqa: BLE001 - a layout that does not apply: the module runs whole
+        return f"its head slices fail ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(p.dtype, 5e-2)
+    scale = want.double().abs().max().clamp(min=1e-30)
+    err = ((got.double() - want.double()).abs().max() / scale).item()
+    return None if err <= tol else f"its head slices, summed, are not its output (relative error {err:.1e})"
+
+
+def _call(module, original, layout, k0, k1, args, kwargs):
+    with sliced(module, layout, k0, k1):
+        return original(*args, **kwargs)
+
+
+class HeadParallelMixer:
+    """`module.forward` of a gated DeltaNet proven to split by heads: gather, run this rank's head slice,
+    reduce-scatter the output projection's partial sums to the ranks' tokens."""
+
+    def __init__(self, state, module: nn.Module, original, side: str, holder: ContextHolder, layout: HeadLayout):
+        self.state, self.module, self.original, self.side, self.holder = state, module, original, side, holder
+        self.layout = layout
+        import inspect
+
+        self.params = set(inspect.signature(original).parameters)
+
+    def __call__(self, *args, **kwargs):
+        ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
+        if self.state.detached or ctx is None or self.side not in ctx.seqs:
+            return self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+        plan, group, layout = ctx.plan(self.side), ctx.layout.sp_group, ctx.layout
+        full_args, full_kwargs = full_call(
+            ctx, self.side, self.params, args, kwargs, lambda path, x: gather_for_replica(x, plan, group)
+        )
+        k0, k1 = ranges(self.layout.k_heads, layout.sp_size)[layout.sp_rank]
+        partial = _call(self.module, self.original, self.layout, k0, k1, full_args, full_kwargs)
+        return sum_to_shard(partial, plan, group)

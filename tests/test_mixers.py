@@ -1,0 +1,76 @@
+"""Token mixers outside attention (models/mixers/): the head split of a gated DeltaNet, proven in one process.
+
+The parity of whole models under SP (every mixer kind, every layout) is the zoo sample's
+(conformance/sample.py: LFM2, Jamba, Nemotron-H, Qwen3-Next, Qwen3.5); here the pieces it rests on."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conformance.tiny import build_tiny
+from seqpar_hf.models.mixers import heads
+
+
+def _mixer(model_type: str, class_name: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny(model_type, class_name)[0].float()
+    return next(m for n, m in model.named_modules() if n.endswith("layers.0.linear_attn"))
+
+
+@pytest.mark.parametrize(
+    "model_type,class_name,fused",
+    [("qwen3_next", "Qwen3NextForCausalLM", True), ("qwen3_5", "Qwen3_5ForCausalLM", False)],
+)
+def test_gated_deltanet_head_slices_sum_to_the_module(model_type, class_name, fused):
+    """Each rank's slice (its key heads, their value heads, gates, decay, conv channels and output columns)
+    runs the module's own forward; the slices' outputs sum to the module's, and their gradients land on the
+    slices' rows of the module's parameters, summing to the module's gradients."""
+    module = _mixer(model_type, class_name)
+    layout = heads.head_layout(module)
+    assert layout is not None and layout.fused is fused and layout.ratio == 2
+    assert heads.prove(module, module.forward, layout, 2) is None
+    x = torch.randn(2, 13, module.out_proj.out_features)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, :4] = 0
+    module(x, attention_mask=mask).square().sum().backward()
+    want = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad()
+    parts = [
+        heads._call(module, module.forward, layout, k0, k1, (x,), {"attention_mask": mask})
+        for k0, k1 in heads.ranges(layout.k_heads, 2)
+    ]
+    total = parts[0] + parts[1]
+    total.square().sum().backward()
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert module.num_k_heads == 2 and module.conv1d.weight.shape[0] == module.conv_dim  # restored after the slices
+
+
+class _Misplaced(heads.HeadLayout):
+    """A layout that pairs each rank's value heads with the other rank's output-projection columns."""
+
+    def rows(self, name, k0, k1):
+        if name == "out_proj.weight":
+            k0, k1 = self.k_heads - k1, self.k_heads - k0
+        return super().rows(name, k0, k1)
+
+
+def test_a_head_split_that_is_not_the_module_is_not_used():
+    """The proof, not the layout, decides: a layout that misplaces rows, one whose shapes do not fit, or
+    fewer key heads than ranks leaves the module to run whole, saying why."""
+    module = _mixer("qwen3_5", "Qwen3_5ForCausalLM")
+    layout = heads.head_layout(module)
+    misplaced = _Misplaced(layout.fused, layout.k_heads, layout.ratio, layout.dk, layout.dv)
+    assert "summed, are not its output" in heads.prove(module, module.forward, misplaced, 2)
+    assert "fewer than the 4 ranks" in heads.prove(module, module.forward, layout, 4)
+    fused = heads.HeadLayout(True, layout.k_heads, layout.ratio, layout.dk, layout.dv)
+    assert "head slices fail" in heads.prove(module, module.forward, fused, 2)
+
+
+def test_modules_of_other_structures_have_no_head_layout():
+    assert heads.head_layout(torch.nn.Linear(4, 4)) is None
+    assert heads.ranges(5, 2) == [(0, 3), (3, 5)]
