@@ -68,8 +68,8 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     # token mixers run on the whole sequence (models/mixers/gathered.py)
     ("lfm2", "Lfm2ForCausalLM", ("ulysses",), (P, K)),  # short convolution
     ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
-    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet (+ MoE); generate refused
-    ("qwen3_5", "Qwen3_5ForCausalLM", ("ring",), (P,)),  # gated DeltaNet, separate projections
+    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet split by heads (+ MoE)
+    ("qwen3_5", "Qwen3_5ForCausalLM", ("ring",), (P, G)),  # gated DeltaNet, separate projections
     ("nemotron_h", "NemotronHForCausalLM", ("ulysses",), (P,)),  # Mamba2 hybrid
     # refused at patch_model, naming the module and why
     ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
@@ -99,7 +99,6 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("opt", "ulysses", K): "lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents",
     ("gpt_oss", "ulysses", K): "lets model.layers.0.self_attn (GptOssAttention) attend across the documents",
     ("lfm2", "tp2"): "layers.0.conv (Lfm2ShortConv) mixes tokens outside attention and runs on the whole sequence",
-    ("qwen3_next", "ulysses", G): "mixes tokens outside attention (Qwen3NextGatedDeltaNet)",
     ("mamba", "ulysses"): f"backbone.layers.0.mixer (MambaMixer) {_CONV}",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence

@@ -34,7 +34,7 @@ from ..forward.inputs import shard_source
 from ..forward.state import PatchState
 from .decoding import DecodeSession
 from .generation_check import check_same_generation
-from .sharded_cache import SequenceShardedCache, unpatched_windows
+from .sharded_cache import SequenceShardedCache, unpatched_states, unpatched_windows
 
 # generate's own parameters besides the model and generation-config keywords
 _GENERATE_ARGUMENTS = (
@@ -130,7 +130,8 @@ def generate(state: PatchState, original, kwargs: dict):
         if state.family.kind == "seq2seq":
             call["encoder_outputs"], session.source_plan = _encode(state, call, device)
         else:
-            session.cache = SequenceShardedCache(layout.sp_size, layout.sp_rank, windows)
+            states = unpatched_states(model)[0] if state.family.mixers else {}
+            session.cache = SequenceShardedCache(layout.sp_size, layout.sp_rank, windows, states)
             call[_cache_argument(model)] = session.cache
         if config.cache_implementation is not None:  # "dynamic" (checked): the cache above replaces it
             call["cache_implementation"] = None
@@ -163,10 +164,10 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
         ),
         (kwargs.get("custom_generate") is not None, "custom_generate is not supported"),
         (
-            bool(state.family.mixers),
-            f"{type(model).__name__} mixes tokens outside attention ({', '.join(_kinds(state))}), whose recurrent and "
-            "convolution states the sequence-sharded cache does not hold yet; generate inside "
-            "seqpar_hf.sp_disabled(model) (one process's generation on this rank's data)",
+            bool(state.family.mixers) and bool(unpatched_states(model)[1]),
+            f"{type(model).__name__} caches a token mixer's states ({', '.join(_kinds(state))}) and attention keys "
+            f"in the same layers ({unpatched_states(model)[1][:4]}), which the sequence-sharded cache does not hold "
+            "yet; generate inside seqpar_hf.sp_disabled(model) (one process's generation on this rank's data)",
         ),
         (
             config.cache_implementation not in (None, "dynamic"),

@@ -158,10 +158,18 @@ class SequenceShardedCache(Cache):
 
     layers: list[ShardedLayer]  # type: ignore[assignment]  # this cache makes every layer itself (update)
 
-    def __init__(self, sp_size: int, sp_rank: int, windows: list[int | None] | None = None):
+    def __init__(self, sp_size: int, sp_rank: int, windows: list[int | None] | None = None, states: dict | None = None):
         super().__init__(layers=[])
         self.sp_size, self.sp_rank = sp_size, sp_rank
         self.windows = windows or []  # per layer, the unpatched cache's window (`unpatched_windows`)
+        # the layers of the unpatched cache that hold a token mixer's states, not keys (`unpatched_states`):
+        # the mixer fills them in the prompt's forward (the whole sequence's, or this rank's heads' states)
+        if states:  # every layer made now: the mask helpers look for the first attention layer among them
+            for i in range(max(len(self.windows), max(states) + 1)):
+                if i in states:
+                    self.layers.append(states[i])
+                else:
+                    self._append()
         # (index [n], valid [b or 1, n] | None, length) while the prefill runs
         self._prompt: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
 
@@ -172,12 +180,13 @@ class SequenceShardedCache(Cache):
     def end_prefill(self) -> None:
         self._prompt = None
 
+    def _append(self) -> None:
+        i = len(self.layers)
+        self.layers.append(ShardedLayer(self.sp_size, self.sp_rank, self.windows[i] if i < len(self.windows) else None))
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            i = len(self.layers)
-            self.layers.append(
-                ShardedLayer(self.sp_size, self.sp_rank, self.windows[i] if i < len(self.windows) else None)
-            )
+            self._append()
         layer = self.layers[layer_idx]
         if self._prompt is not None and layer.keys is None:
             return layer.prefill(key_states, value_states, *self._prompt)
@@ -186,7 +195,14 @@ class SequenceShardedCache(Cache):
     def layer(self, layer_idx: int) -> ShardedLayer | None:
         """Layer `layer_idx`'s own shard; None if it stores no K/V (a KV-shared layer)."""
         own = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        return own if own is not None and own.keys is not None else None
+        return own if isinstance(own, ShardedLayer) and own.keys is not None else None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The global length, read off an attention layer (a mixer's state layer counts no tokens)."""
+        sharded = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], ShardedLayer):
+            return self.layers[layer_idx].get_seq_length()
+        return sharded[0].get_seq_length() if sharded else 0
 
     def reader(self, layer_idx: int, key: torch.Tensor, window: int | None) -> ShardedLayer:
         """The shard that layer `layer_idx`'s attention reads in a decoding step, given its keys and window:
@@ -197,7 +213,7 @@ class SequenceShardedCache(Cache):
         if own is not None:
             own.set_window(narrower(window, own.cache_window))
             return own
-        shared = next((layer for layer in self.layers if layer.keys is key), None)
+        shared = next((la for la in self.layers if isinstance(la, ShardedLayer) and la.keys is key), None)
         if shared is not None and shared.window == narrower(window, shared.cache_window):
             return shared
         why = (
@@ -214,12 +230,31 @@ class SequenceShardedCache(Cache):
 
     def local_bytes(self) -> int:
         """Bytes of K/V this rank holds (the shard)."""
-        return sum(layer.local_bytes() for layer in self.layers)
+        return sum(layer.local_bytes() for layer in self.layers if isinstance(layer, ShardedLayer))
 
 
 def narrower(a: int | None, b: int | None) -> int | None:
     """The narrower of two sliding windows (None: no window)."""
     return b if a is None else a if b is None else min(int(a), int(b))
+
+
+def unpatched_states(model) -> tuple[dict, list[int]]:
+    """({layer index: a fresh copy of the unpatched cache's layer} for the layers that hold a token mixer's
+    states and no keys, [indices of layers that hold both], which the sharded cache does not keep)."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return {}, []
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    states: dict = {}
+    both: list[int] = []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, CacheLayerMixin):
+            both.append(i)
+        elif not isinstance(layer, CacheLayerMixin):  # a mixer's state layer, or a layer that caches nothing
+            states[i] = layer
+    return states, both
 
 
 def unpatched_windows(model) -> list[int | None]:

@@ -106,13 +106,17 @@ class GatheredMixer:
 
     def __call__(self, *args, **kwargs):
         ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
-        if self.state.detached or ctx is None or self.side not in ctx.seqs:
-            return self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+        if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
+            # no SP, or a decoding step (its tokens replicated): the module as it is, on its cached state
+            return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
         plan, group = ctx.plan(self.side), ctx.layout.sp_group
         full_args, full_kwargs = full_call(
             ctx, self.side, self.params, args, kwargs, lambda path, x: gather_for_replica(x, plan, group)
         )
         return local_output(ctx, self.side, self.original(*full_args, **full_kwargs))
+
+    def step(self, ctx, args, kwargs):
+        return self.original(*args, **kwargs)
 
 
 def install(state, module: nn.Module, side: str, backbone: nn.Module, path: str, make=None) -> list:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...parallel.comm import gather_for_replica, sum_to_shard
-from ..forward.context import CONTEXT_KWARG
+from ...parallel.comm import gather_for_replica, group_size, group_sum, sum_to_shard
+from ..forward.context import CONTEXT_KWARG, ForwardContext
 from .gathered import ContextHolder, full_call
 
 _SHAPE = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
@@ -180,8 +180,8 @@ class HeadParallelMixer:
 
     def __call__(self, *args, **kwargs):
         ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
-        if self.state.detached or ctx is None or self.side not in ctx.seqs:
-            return self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+        if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
+            return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
         plan, group, layout = ctx.plan(self.side), ctx.layout.sp_group, ctx.layout
         full_args, full_kwargs = full_call(
             ctx, self.side, self.params, args, kwargs, lambda path, x: gather_for_replica(x, plan, group)
@@ -189,3 +189,13 @@ class HeadParallelMixer:
         k0, k1 = ranges(self.layout.k_heads, layout.sp_size)[layout.sp_rank]
         partial = _call(self.module, self.original, self.layout, k0, k1, full_args, full_kwargs)
         return sum_to_shard(partial, plan, group)
+
+    def step(self, ctx, args, kwargs):
+        """A decoding step under SP (its tokens replicated, the cache holding this rank's heads' states, as
+        the prompt's forward left them): this rank's slice, summed over the group. Else the whole module."""
+        layout = getattr(ctx, "layout", None)
+        if self.state.detached or layout is None or group_size(layout.sp_group) == 1:
+            return self.original(*args, **kwargs)
+        k0, k1 = ranges(self.layout.k_heads, layout.sp_size)[layout.sp_rank]
+        partial = _call(self.module, self.original, self.layout, k0, k1, args, kwargs)
+        return group_sum(partial, layout.sp_group)
