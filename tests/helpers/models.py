@@ -120,6 +120,17 @@ CAUSAL_EXTRA = {
         kwargs=dict(sliding_window=4, query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"]),
     ),
     "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM"),  # norms after attention, q/k norm
+    "qwen3_5": dict(
+        config="Qwen3_5TextConfig",
+        model="Qwen3_5ForCausalLM",  # gated DeltaNet (split by heads under SP) + full attention
+        kwargs=dict(
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+    ),
     "smollm3": dict(
         config="SmolLM3Config",
         model="SmolLM3ForCausalLM",  # layers without rotary (NoPE)

@@ -135,6 +135,7 @@ NEW_FAMILIES = [
     "gemma2",
     "gemma3",
     "olmo2",
+    "qwen3_5",
     "smollm3",
     "gpt_neox",
 ]

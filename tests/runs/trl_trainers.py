@@ -112,11 +112,12 @@ def run_sft(
     packing: bool = False,
     extra: dict | None = None,
     patch_first: bool = True,
+    family: str = "llama",
 ) -> list[dict]:
     """sp=0: plain TRL SFTTrainer (the reference, one process). Otherwise SequenceParallelSFTTrainer."""
     from trl import SFTConfig, SFTTrainer
 
-    model = build_model("llama", layers=2)
+    model = build_model(family, layers=2)
     kwargs = dict(gradient_checkpointing=checkpointing, max_length=None, **(extra or {}))
     if packing:  # TRL's best-fit-decreasing packing into padding-free rows (position_ids restart per document)
         kwargs.update(packing=True, max_length=64)
@@ -210,6 +211,7 @@ CASES = {
         dict(peft=True, packing=True, checkpointing=True),
     ),
     "sft-ring": (dict(mode="ring"), dict()),
+    "sft-qwen3_5-gated-deltanet": (dict(family="qwen3_5", checkpointing=True), dict(family="qwen3_5")),
     "sft-model-patched-by-the-trainer": (dict(patch_first=False), dict()),
     "dpo-reference-a-deep-copy": (dict(trainer="dpo"), dict(trainer="dpo")),
     "dpo-separate-reference": (dict(trainer="dpo", ref="separate"), dict(trainer="dpo")),

@@ -122,7 +122,11 @@ def sliced(module: nn.Module, layout: HeadLayout, k0: int, k1: int):
             owner = module.get_submodule(owner_name) if owner_name else module
             saved_params.append((owner, leaf, owner._parameters[leaf]))
             dim, index = placed
-            owner._parameters[leaf] = p.index_select(dim, index.to(p.device))  # type: ignore[assignment]
+            start, count = int(index[0]), index.numel()
+            if int(index[-1]) - start + 1 == count:  # one block of rows: a view, no copy of the weights
+                owner._parameters[leaf] = p.narrow(dim, start, count)  # type: ignore[assignment]
+            else:
+                owner._parameters[leaf] = p.index_select(dim, index.to(p.device))  # type: ignore[assignment]
         for attr, value in layout.attributes(k0, k1).items():
             if hasattr(module, attr):
                 saved_attrs[attr] = getattr(module, attr)

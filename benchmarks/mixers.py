@@ -1,0 +1,167 @@
+"""Token mixers under SP, per gated-DeltaNet layer and rank: activation bytes saved for backward, bytes each rank
+sends in the mixer's forward collectives (the backward mirrors them), and the mixer's forward time, for each
+path (models/mixers/): split by heads, run whole, and one process without SP.
+
+    python -m benchmarks.mixers                   # 4096 / 8192 / 16384 tokens, sp 1, 2, 4; ~10 min on 2 CPU cores
+    python -m benchmarks.mixers --quick           # 256 tokens, prints the tables, writes nothing
+
+The model: a Qwen3.5 text model from a config (hidden 512, two layers: gated DeltaNet then full attention,
+key heads 4 / value heads 8 of width 64 as Qwen3-Next's 16 / 32 of 128 scaled down, vocab 1024), fp32,
+batch 1, in gloo processes of one thread each (sp=4 runs 4 processes on 2 cores: its times are not a
+speed). The run-whole path is the one a mixer takes when no head layout is proven (Jamba, LFM2, Kimi
+Linear, ...): here forced by hiding the head layout, on the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import environment, fmt_bytes, table
+from benchmarks.instruments import CollectiveTap, CommMeter, ModuleTags
+from benchmarks.publish import output_options, publish
+
+MODEL = dict(
+    hidden_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=1024,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    layer_types=["linear_attention", "full_attention"],
+    num_hidden_layers=2,
+)
+MIXER = "model.layers.0.linear_attn"
+
+
+def build(seq_len: int):
+    from transformers import Qwen3_5TextConfig, Qwen3_5ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(**MODEL, max_position_embeddings=max(seq_len, 128), pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    return Qwen3_5ForCausalLM(config).float().train()
+
+
+def measure(seq_len: int, sp: int, path: str, repeats: int) -> dict:
+    """One rank's figures (runs in each gloo process)."""
+    import seqpar_hf
+    from seqpar_hf.models.forward.state import state_of
+    from seqpar_hf.models.mixers import heads
+
+    if path == "whole":
+        heads.head_layout = lambda module: None  # as for a mixer without a proven head layout
+    model = build(seq_len)
+    if sp > 1:
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=sp), check_inputs=False)
+        got = set(state_of(model).mixers.values())
+        assert (got == {"heads"}) == (path == "heads"), got
+    ids = torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    mixer = model.get_submodule(MIXER)
+    # activation bytes the mixer saves (each storage once; the gathered input and the partial sums included)
+    saved: dict = {}
+    tags = ModuleTags(model)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and ptr not in saved and tags.current.startswith(MIXER):
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    meter = CommMeter()
+    mixer.register_forward_pre_hook(lambda m, a, k: setattr(meter, "label", "mixer"), with_kwargs=True)
+    mixer.register_forward_hook(lambda m, a, k, o: setattr(meter, "label", "other"), with_kwargs=True)
+    with tags, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), CollectiveTap(meter.record):
+        out = model(**batch)
+    out.loss.backward()
+    del out
+    times = []
+    starts: list = []
+    mixer.register_forward_pre_hook(lambda m, a, k: starts.append(time.perf_counter()), with_kwargs=True)
+    mixer.register_forward_hook(lambda m, a, k, o: times.append(time.perf_counter() - starts[-1]), with_kwargs=True)
+    steps = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(**batch).loss.backward()
+        steps.append(time.perf_counter() - t0)
+    sent = sum(v[0] for (phase, label, _), v in meter.totals.items() if label == "mixer")
+    return {
+        "seq_len": seq_len,
+        "sp": sp,
+        "path": path if sp > 1 else "one process",
+        "mixer_saved_bytes": sum(saved.values()),
+        "mixer_forward_sent_bytes": sent,
+        "mixer_forward_s": sorted(times)[len(times) // 2],
+        "step_s": sorted(steps)[len(steps) // 2],
+    }
+
+
+def run(seq_lens: list[int], sps: list[int], repeats: int) -> list[dict]:
+    from tests.helpers.spawn import spawn
+
+    records = []
+    for seq_len in seq_lens:
+        for sp in sps:
+            for path in ("heads", "whole") if sp > 1 else ("one",):
+                got = spawn(measure, sp, seq_len, sp, path, repeats, timeout=3600.0)
+                rec = dict(got[0], per_rank_saved=[g["mixer_saved_bytes"] for g in got])
+                print(f"{seq_len} tokens sp={sp} {rec['path']}: mixer saves {fmt_bytes(rec['mixer_saved_bytes'])}")
+                records.append(rec)
+    return records
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    output_options(parser, "mixers", figure=False)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seq_lens, args.repeats = [256], 1
+    print(environment())
+    records = run(args.seq_lens, args.sp, args.repeats)
+    one = {r["seq_len"]: r for r in records if r["sp"] == 1}
+    rows = []
+    for r in records:
+        base = one.get(r["seq_len"])
+        rows.append(
+            {
+                **r,
+                "saved": fmt_bytes(r["mixer_saved_bytes"]),
+                "share": f"{r['mixer_saved_bytes'] / base['mixer_saved_bytes']:.2f}" if base else "",
+                "sent": fmt_bytes(r["mixer_forward_sent_bytes"]),
+                "fwd": f"{r['mixer_forward_s'] * 1e3:.0f} ms",
+                "step": f"{r['step_s']:.2f} s",
+            }
+        )
+    print(
+        table(
+            rows,
+            [
+                ("tokens", "seq_len"),
+                ("sp", "sp"),
+                ("path", "path"),
+                ("mixer activations / rank", "saved"),
+                ("vs one process", "share"),
+                ("mixer forward sent / rank", "sent"),
+                ("mixer forward", "fwd"),
+                ("model step", "step"),
+            ],
+        )
+    )
+    publish("mixers", records, args)
+
+
+if __name__ == "__main__":
+    main()
