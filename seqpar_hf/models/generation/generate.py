@@ -164,6 +164,11 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
         ),
         (kwargs.get("custom_generate") is not None, "custom_generate is not supported"),
         (
+            state.family.kind == "causal" and bool(unindexed := _unindexed(state)),
+            f"attention module {unindexed[0] if unindexed else ''} has no layer index of its own (a block shared "
+            "by several layers, as Zamba's), by which the sequence-sharded cache keeps each layer's keys",
+        ),
+        (
             bool(state.family.mixers) and bool(unpatched_states(model)[1]),
             f"{type(model).__name__} caches a token mixer's states ({', '.join(_kinds(state))}) and attention keys "
             f"in the same layers ({unpatched_states(model)[1][:4]}), which the sequence-sharded cache does not hold "
@@ -222,6 +227,11 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         state = torch.cat([state, torch.cuda.get_rng_state(device)])
     return state
+
+
+def _unindexed(state: PatchState) -> list[str]:
+    sites = state.family.attention
+    return [site.name for site in sites if not isinstance(getattr(site.module, "layer_idx", None), int)]
 
 
 def _kinds(state: PatchState) -> list[str]:

@@ -25,7 +25,7 @@ ordinary sharded forward (the attention module stores its local K/V here before 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 EVICT_EVERY = 64  # decoding steps between two evictions of out-of-window keys (each copies the layer's shard)
 
@@ -153,6 +153,41 @@ class ShardedLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
 
+class ShardedStateLayer(LinearAttentionLayer, ShardedLayer):
+    """A layer that caches a token mixer's states and attention keys alike (Zamba, Zamba2, Falcon-H1): the
+    states as the unpatched cache's layer keeps them (every rank the same, or its heads'), the keys sharded."""
+
+    is_compileable = False
+
+    def __init__(self, sp_size: int, sp_rank: int, cache_window: int | None = None, number_of_states: int = 1):
+        ShardedLayer.__init__(self, sp_size, sp_rank, cache_window)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # the keys' (ShardedLayer.prefill), else a state's (by keyword)
+            ShardedLayer.lazy_initialization(self, *args)
+            self.cumulative_length_linear = self.cumulative_length_linear.to(args[0].device)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        ShardedLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        ShardedLayer.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        ShardedLayer.crop(self, tokens_to_remove)
+
+    def get_seq_length(self) -> int:
+        return ShardedLayer.get_seq_length(self)
+
+    def get_max_length(self) -> int:
+        return ShardedLayer.get_max_length(self)
+
+
 class SequenceShardedCache(Cache):
     """This rank's shard of a decoder-only model's KV cache (see the module docstring)."""
 
@@ -166,7 +201,12 @@ class SequenceShardedCache(Cache):
         # the mixer fills them in the prompt's forward (the whole sequence's, or this rank's heads' states)
         if states:  # every layer made now: the mask helpers look for the first attention layer among them
             for i in range(max(len(self.windows), max(states) + 1)):
-                if i in states:
+                if isinstance(states.get(i), ShardedStateLayer):
+                    layer = states[i]
+                    layer.sp_size, layer.sp_rank = sp_size, sp_rank
+                    layer.cache_window = self.windows[i] if i < len(self.windows) else None
+                    self.layers.append(layer)
+                elif i in states:
                     self.layers.append(states[i])
                 else:
                     self._append()
@@ -252,6 +292,10 @@ def unpatched_states(model) -> tuple[dict, list[int]]:
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, CacheLayerMixin):
             both.append(i)
+            if getattr(layer, "is_sliding", False) or type(layer).__name__ != "LinearAttentionAndFullAttentionLayer":
+                continue  # a window in the same layer as the states: not held (refused at generate)
+            states[i] = ShardedStateLayer(0, 0, None, layer.number_of_states)  # sizes set by the cache
+            both.pop()
         elif not isinstance(layer, CacheLayerMixin):  # a mixer's state layer, or a layer that caches nothing
             states[i] = layer
     return states, both
