@@ -169,6 +169,11 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
             "by several layers, as Zamba's), by which the sequence-sharded cache keeps each layer's keys",
         ),
         (
+            bool(state.family.mixers) and not _default_cache(model),
+            f"{type(model).__name__} keeps its token mixers' states ({', '.join(_kinds(state))}) in a cache of its "
+            "own, which the sequence-sharded cache cannot stand in for",
+        ),
+        (
             bool(state.family.mixers) and bool(unpatched_states(model)[1]),
             f"{type(model).__name__} caches a token mixer's states ({', '.join(_kinds(state))}) and attention keys "
             f"in the same layers ({unpatched_states(model)[1][:4]}), which the sequence-sharded cache does not hold "
@@ -227,6 +232,11 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         state = torch.cat([state, torch.cuda.get_rng_state(device)])
     return state
+
+
+def _default_cache(model) -> bool:
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    return supports is None or bool(supports())
 
 
 def _unindexed(state: PatchState) -> list[str]:
