@@ -105,6 +105,8 @@ VARIANTS: dict[str, dict] = {
     ),
     "t5gemma:no_softcap": dict(encoder={"attn_logit_softcapping": None}, decoder={"attn_logit_softcapping": None}),
     # Llama 4 as its refusals say to train it: no chunks, no temperature tuning (its NoPE layer stays NoPE)
+    # Nemotron-H with 2 head groups (released: 8), so that its Mamba2 mixers split by groups at sp=2
+    "nemotron_h:two_groups": dict(n_groups=2),
     "llama4:full_attention": dict(
         attention_chunk_size=None, layer_types=["full_attention"] * 2, attn_temperature_tuning=False
     ),

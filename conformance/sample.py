@@ -6,19 +6,19 @@ that fail are listed in KNOWN_FAILURES with their root cause (xfail(strict=True)
 XPASS); none today (Gemma 4's and Moshi's generate rows, diagnosis.md M1 / M2, were the last).
 
 Structures: plain decoder with GQA (Llama), q/k norm + sliding window (Qwen3), window (Mistral), sliding:full
-pattern (Gemma 3), KV-shared layers (Gemma 3n; Gemma 4 with partial rotary and wider global heads), MoE
-(Qwen3-MoE, Mixtral), MoE + window not passed (Qwen2-MoE, PhiMoE), latent attention with v narrower than q/k
-(DeepSeek-V3, LongCat), partial rotary on some layers (Laguna), partial rotary + fused qkv (GPT-NeoX), learned
-absolute positions in a 32-row table (GPT-2), yarn whose original length is shorter than the batch (Ministral
-3), encoder-decoder (Marian, BART, M2M100 with padding-aware sinusoidal positions), padding-aware learned
-positions (RoBERTa), an LM forward around its backbone (OPT: its packed rows refused), a window only in the
-cache (Moshi), a config without pad_token_id (CodeGen), a bidirectional sliding-window encoder with
-soft-capping (T5Gemma), soft-capping (Gemma 2), learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and
-token mixers run on the whole sequence (LFM2's short convolution, Jamba's and Nemotron-H's Mamba, Qwen3-Next's
-and Qwen3.5's gated DeltaNet), and the refusals: a mixer under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative position bias (T5), attention keywords (Inkling,
-DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models (EncoderDecoder), global-local attention
-(PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms (Cohere), a plan that
-shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
+pattern (Gemma 3), KV-shared layers (Gemma 3n; Gemma 4 with partial rotary and wider global heads), MoE (Qwen3-MoE,
+Mixtral), MoE + window not passed (Qwen2-MoE, PhiMoE), latent attention with v narrower than q/k (DeepSeek-V3,
+LongCat), partial rotary on some layers (Laguna), partial rotary + fused qkv (GPT-NeoX), learned absolute positions
+in a 32-row table (GPT-2), yarn whose original length is shorter than the batch (Ministral 3), encoder-decoder
+(Marian, BART, M2M100 with padding-aware sinusoidal positions), padding-aware learned positions (RoBERTa), an LM
+forward around its backbone (OPT: its packed rows refused), a window only in the cache (Moshi), a config without
+pad_token_id (CodeGen), a bidirectional sliding-window encoder with soft-capping (T5Gemma), soft-capping (Gemma 2),
+learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and token mixers run on the whole sequence (LFM2's short
+convolution, Jamba's and Nemotron-H's Mamba, Qwen3-Next's and Qwen3.5's gated DeltaNet), and the refusals: a mixer
+under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative position bias (T5),
+attention keywords (Inkling, DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models (EncoderDecoder),
+global-local attention (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms
+(Cohere), a plan that shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
     ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet split by heads (+ MoE)
     ("qwen3_5", "Qwen3_5ForCausalLM", ("ring",), (P, G)),  # gated DeltaNet, separate projections
-    ("nemotron_h", "NemotronHForCausalLM", ("ulysses",), (P,)),  # Mamba2 hybrid
+    ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2 split by head groups
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group: run whole
     # refused at patch_model, naming the module and why
     ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
     ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named

@@ -71,6 +71,22 @@ def test_a_head_split_that_is_not_the_module_is_not_used():
     assert "head slices fail" in heads.prove(module, module.forward, fused, 2)
 
 
+def test_mamba2_group_slices_sum_to_the_module():
+    """A Mamba2 (SSD) mixer splits by head groups: each rank's heads with their group's B / C, conv channels,
+    decay, skip, gated-norm channels and output columns; one group of heads cannot be split (its gated norm
+    normalises over the whole group), and says so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny("nemotron_h:two_groups", "NemotronHForCausalLM")[0].float()
+    module = model.model.layers[0].mixer
+    layout = heads.head_layout(module)
+    assert isinstance(layout, heads.SsdLayout) and layout.units == 2
+    assert heads.prove(module, module.forward, layout, 2) is None
+    assert "1 head groups, fewer than the 2 ranks" in heads.prove(
+        module, module.forward, heads.SsdLayout(1, 2 * layout.per_group, layout.dim, layout.state), 2
+    )
+
+
 def test_modules_of_other_structures_have_no_head_layout():
     assert heads.head_layout(torch.nn.Linear(4, 4)) is None
     assert heads.ranges(5, 2) == [(0, 3), (3, 5)]

@@ -1,5 +1,6 @@
-"""A gated DeltaNet split by heads: each rank of the SP group runs the module's own forward on the whole
-sequence for its own key-head groups only, and the ranks' output projections are summed at each rank's tokens.
+"""A token mixer split by heads: each rank of the SP group runs the module's own forward on the whole sequence
+for its own heads only (a gated DeltaNet's key-head groups, a Mamba2 mixer's head groups), and the ranks'
+output projections are summed at each rank's tokens.
 
 The layer's input is all-gathered (as for a mixer run whole, `gathered.py`); then, in place of the full
 module, a head slice of it runs: every parameter indexed to this rank's key heads (the value heads, gates,
@@ -9,11 +10,12 @@ the output projection is a sum over heads, so the group's sum of the slices' out
 one reduce-scatter returns it to the ranks' tokens (`comm.sum_to_shard`; its backward all-gathers). Each rank
 then holds the activations of 1/sp of the heads, and does 1/sp of the mixer's work.
 
-Which parameter rows belong to which key head is read off the module's structure (two layouts: the fused
-`in_proj_qkvz` / `in_proj_ba` of Qwen3-Next, the separate `in_proj_qkv` / `z` / `b` / `a` of Qwen3.5 and the
-models built like it), and proven at `patch_model` for the layout's head ranges: the slices' outputs, summed,
-must be the module's own on a random batch with padding. A module neither layout covers, or whose proof fails,
-or with fewer key heads than ranks, runs whole (`gathered.py`) and the reason is logged.
+Which parameter rows belong to which head is read off the module's structure (three layouts: the fused
+`in_proj_qkvz` / `in_proj_ba` of Qwen3-Next, the separate `in_proj_qkv` / `z` / `b` / `a` of Qwen3.5 and the models
+built like it, and Mamba2's `in_proj` of z, x, B, C, dt split by head group), and proven at `patch_model` for the
+layout's head ranges: the slices' outputs, summed, must be the module's own on a random batch with padding. A module
+neither layout covers, or whose proof fails, or with fewer key heads than ranks, runs whole (`gathered.py`) and the
+reason is logged.
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ _SEPARATE = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "ou
 
 @dataclass(frozen=True)
 class HeadLayout:
-    """The head structure of a gated DeltaNet: key heads, value heads per key head, head widths, layout."""
+    """The head structure of a gated DeltaNet: key heads, value heads per key head, head widths, layout.
+    The ranks split its `units` (key heads) into contiguous ranges."""
 
     fused: bool
     k_heads: int
     ratio: int
     dk: int
     dv: int
+
+    @property
+    def units(self) -> int:
+        return self.k_heads
 
     def rows(self, name: str, k0: int, k1: int) -> tuple[int, torch.Tensor] | None:
         """(dim, indices) of parameter `name` that belong to key heads [k0, k1); None: shared by all heads."""
@@ -76,9 +83,84 @@ class HeadLayout:
         }
 
 
-def head_layout(module: nn.Module) -> HeadLayout | None:
+@dataclass(frozen=True)
+class SsdLayout:
+    """The head structure of a Mamba2 (SSD) mixer: `groups` groups of B / C state projections, `per_group`
+    heads of width `dim` each, state size `state`. The ranks split its groups (the gated norm normalises
+    over a group's channels, so a rank holds whole groups)."""
+
+    groups: int
+    per_group: int
+    dim: int
+    state: int
+
+    @property
+    def units(self) -> int:
+        return self.groups
+
+    def rows(self, name: str, g0: int, g1: int) -> tuple[int, torch.Tensor] | None:
+        heads, n, d = self.groups * self.per_group, self.state, self.dim
+        inner, h0, h1 = heads * d, g0 * self.per_group, g1 * self.per_group
+        block = lambda start, a, b, width: torch.arange(start + a * width, start + b * width)
+        xbc = [block(0, h0, h1, d), block(inner, g0, g1, n), block(inner + self.groups * n, g0, g1, n)]
+        projection = torch.cat(
+            [block(0, h0, h1, d)] + [x + inner for x in xbc] + [block(2 * inner + 2 * self.groups * n, h0, h1, 1)]
+        )
+        table = {
+            "in_proj.weight": (0, projection),
+            "in_proj.bias": (0, projection),
+            "conv1d.weight": (0, torch.cat(xbc)),
+            "conv1d.bias": (0, torch.cat(xbc)),
+            "dt_bias": (0, block(0, h0, h1, 1)),
+            "A_log": (0, block(0, h0, h1, 1)),
+            "D": (0, block(0, h0, h1, 1)),
+            "norm.weight": (0, block(0, h0, h1, d)),
+            "out_proj.weight": (1, block(0, h0, h1, d)),
+        }
+        return table.get(name)
+
+    def attributes(self, g0: int, g1: int) -> dict:
+        groups = g1 - g0
+        heads = groups * self.per_group
+        return {
+            "num_heads": heads,
+            "n_groups": groups,
+            "intermediate_size": heads * self.dim,
+            "conv_dim": heads * self.dim + 2 * groups * self.state,
+        }
+
+
+_SSD = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size")
+
+
+def _ssd_layout(module: nn.Module) -> SsdLayout | None:
+    if not all(isinstance(getattr(module, a, None), int) for a in _SSD):
+        return None
+    if not {"in_proj", "conv1d", "out_proj", "norm"} <= {n for n, _ in module.named_children()}:
+        return None
+    heads, dim, groups, state, inner = (int(getattr(module, a)) for a in _SSD)
+    if groups < 1 or heads % groups or inner != heads * dim:
+        return None
+    return SsdLayout(groups, heads // groups, dim, state)
+
+
+def _placed(layout, module: nn.Module) -> bool:
+    """Every parameter is one the layout places (or a gated DeltaNet's norm weight, shared by all heads)."""
+    for name, p in module.named_parameters():
+        placed = layout.rows(name, 0, layout.units)
+        if placed is None and not (isinstance(layout, HeadLayout) and name.startswith("norm.")):
+            return False
+        if placed is not None and p.shape[placed[0]] != placed[1].numel():
+            return False
+    return True
+
+
+def head_layout(module: nn.Module) -> HeadLayout | SsdLayout | None:
     """The module's head layout, or None when it is not a gated DeltaNet of a layout known here (every
     parameter must be one the layout places, or shared by all heads: the norm's per-channel weight)."""
+    ssd = _ssd_layout(module)
+    if ssd is not None:
+        return ssd if _placed(ssd, module) else None
     if not all(isinstance(getattr(module, a, None), int) for a in _SHAPE):
         return None
     children = {n for n, _ in module.named_children()}
@@ -89,13 +171,7 @@ def head_layout(module: nn.Module) -> HeadLayout | None:
     if hk < 1 or hv % hk:
         return None
     layout = HeadLayout(fused, hk, hv // hk, dk, dv)
-    for name, p in module.named_parameters():
-        placed = layout.rows(name, 0, hk)
-        if placed is None and not name.startswith("norm."):
-            return None
-        if placed is not None and p.shape[placed[0]] != placed[1].numel():
-            return None
-    return layout
+    return layout if _placed(layout, module) else None
 
 
 def ranges(k_heads: int, n: int) -> list[tuple[int, int]]:
@@ -108,7 +184,7 @@ def ranges(k_heads: int, n: int) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def sliced(module: nn.Module, layout: HeadLayout, k0: int, k1: int):
+def sliced(module: nn.Module, layout: HeadLayout | SsdLayout, k0: int, k1: int):
     """Inside: `module` (its parameters and head counts) is its slice for key heads [k0, k1). The parameters
     are index views of the module's own, so gradients reach them at the slice's rows."""
     saved_params: list = []
@@ -139,12 +215,13 @@ def sliced(module: nn.Module, layout: HeadLayout, k0: int, k1: int):
             object.__setattr__(module, attr, value)
 
 
-def prove(module: nn.Module, original, layout: HeadLayout, n: int) -> str | None:
+def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout, n: int) -> str | None:
     """None when the slices of `n` ranks' head ranges, summed, give the module's own output on a random
     batch (two rows, the second left-padded); else why not."""
-    hk = layout.k_heads
+    hk = layout.units
     if hk < n:
-        return f"has {layout.k_heads} key heads, fewer than the {n} ranks"
+        what = "key heads" if isinstance(layout, HeadLayout) else "head groups"
+        return f"has {hk} {what}, fewer than the {n} ranks"
     p = next(module.parameters())
     width = int(module.get_submodule("out_proj").weight.shape[0])  # type: ignore[index]
     g = torch.Generator().manual_seed(0)
@@ -155,8 +232,7 @@ def prove(module: nn.Module, original, layout: HeadLayout, n: int) -> str | None
         with torch.no_grad():
             want = original(x, attention_mask=mask)
             got = sum(
-                _call(module, original, layout, k0, k1, (x,), {"attention_mask": mask})
-                for k0, k1 in ranges(layout.k_heads, n)
+                _call(module, original, layout, k0, k1, (x,), {"attention_mask": mask}) for k0, k1 in ranges(hk, n)
             )
     except Exception as exc:  # noqa: BLE001 - a layout that does not apply: the module runs whole
         return f"its head slices fail ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
@@ -175,7 +251,7 @@ class HeadParallelMixer:
     """`module.forward` of a gated DeltaNet proven to split by heads: gather, run this rank's head slice,
     reduce-scatter the output projection's partial sums to the ranks' tokens."""
 
-    def __init__(self, state, module: nn.Module, original, side: str, holder: ContextHolder, layout: HeadLayout):
+    def __init__(self, state, module: nn.Module, original, side: str, holder: ContextHolder, layout):
         self.state, self.module, self.original, self.side, self.holder = state, module, original, side, holder
         self.layout = layout
         import inspect
@@ -190,7 +266,7 @@ class HeadParallelMixer:
         full_args, full_kwargs = full_call(
             ctx, self.side, self.params, args, kwargs, lambda path, x: gather_for_replica(x, plan, group)
         )
-        k0, k1 = ranges(self.layout.k_heads, layout.sp_size)[layout.sp_rank]
+        k0, k1 = ranges(self.layout.units, layout.sp_size)[layout.sp_rank]
         partial = _call(self.module, self.original, self.layout, k0, k1, full_args, full_kwargs)
         return sum_to_shard(partial, plan, group)
 
@@ -200,6 +276,6 @@ class HeadParallelMixer:
         layout = getattr(ctx, "layout", None)
         if self.state.detached or layout is None or group_size(layout.sp_group) == 1:
             return self.original(*args, **kwargs)
-        k0, k1 = ranges(self.layout.k_heads, layout.sp_size)[layout.sp_rank]
+        k0, k1 = ranges(self.layout.units, layout.sp_size)[layout.sp_rank]
         partial = _call(self.module, self.original, self.layout, k0, k1, args, kwargs)
         return group_sum(partial, layout.sp_group)
