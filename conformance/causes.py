@@ -8,6 +8,18 @@ import re
 CAUSES = (  # (pattern in the message, cause), first match wins
     (r"computes attention itself", "attention written by hand, not through AttentionInterface (named)"),
     (
+        r"runs on the whole sequence, which tensor parallelism",
+        "a token mixer run on the whole sequence, under tensor parallelism (named)",
+    ),
+    (
+        r"mixes tokens without attention",
+        "token mixers without attention through the interface (Mamba, RWKV, xLSTM: run whole, nothing divided)",
+    ),
+    (
+        r"caches a token mixer's states|token mixers' states .* in a cache of its own|has no layer index of its own",
+        "generate: mixer states in a cache of the model's own, or attention shared by several layers (named)",
+    ),
+    (
         r"runs a convolution|runs a scan|mixes information along the sequence|selects among the tokens",
         "token mixing outside attention: convolution, SSM / linear-attention scan, recurrence (named)",
     ),
