@@ -120,6 +120,24 @@ CAUSAL_EXTRA = {
         kwargs=dict(sliding_window=4, query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"]),
     ),
     "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM"),  # norms after attention, q/k norm
+    "granitemoehybrid": dict(
+        config="GraniteMoeHybridConfig",
+        model="GraniteMoeHybridForCausalLM",  # Granite 4: Mamba2 mixers (run whole under SP) + MoE + attention
+        drop=("head_dim",),
+        kwargs=dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"],
+            mamba_n_heads=4,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_head=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+        ),
+    ),
     "qwen3_5": dict(
         config="Qwen3_5TextConfig",
         model="Qwen3_5ForCausalLM",  # gated DeltaNet (split by heads under SP) + full attention

@@ -172,6 +172,7 @@ def run_rl(
     extra: dict | None = None,
     generate: str = "fixed",
     prompt_seed: int = 1,
+    family: str = "llama",
 ) -> dict:
     """sp=0: plain TRL in one process with the global batch of `dp` replicas of `batch` rows (the
     reference). ref: "copy" (a deep copy of the patched policy), "separate" (an unpatched model),
@@ -186,7 +187,7 @@ def run_rl(
     os.environ.pop("ACCELERATE_USE_FSDP", None)
     if generate == "fixed":
         _identity_shuffle()
-    model = build_model("llama", layers=2)
+    model = build_model(family, layers=2)
     model.config._name_or_path = _saved(model)  # where TRL loads its own reference model from
     peft_config = None
     if peft:
@@ -211,7 +212,7 @@ def run_rl(
         import seqpar_hf
 
         layout = seqpar_hf.ParallelLayout(sp_size=sp, mode=mode)
-        separate = build_model("llama", layers=2)
+        separate = build_model(family, layers=2)
         seqpar_hf.patch_model(model, layout)
         ref_model = {"copy": copy.deepcopy(model), "separate": separate, "path": None}[ref]
         cls = sp_trl.SequenceParallelGRPOTrainer if trainer == "grpo" else sp_trl.SequenceParallelRLOOTrainer
@@ -294,6 +295,11 @@ GENERATION = {
 # sp=2 x dp=2 against one process with the global batch (per_device x 2)
 CASES_4 = {
     "grpo-dp2": (dict(**GRPO, dp=2, evaluate=True), dict(**GRPO, dp=2, evaluate=True)),
+    # Granite 4's Mamba2 + MoE layers (one head group: its mixers run whole) with the policy's own greedy generate
+    "grpo-dp2-granite4-generate": (
+        dict(**GREEDY, dp=2, family="granitemoehybrid"),
+        dict(**GREEDY, dp=2, family="granitemoehybrid"),
+    ),
     "grpo-dp2-ring-peft": (dict(**GRPO, dp=2, mode="ring", peft=True), dict(**GRPO, dp=2, peft=True)),
     "rloo-dp2": (dict(trainer="rloo", dp=2), dict(trainer="rloo", dp=2)),
 }
