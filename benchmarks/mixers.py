@@ -41,7 +41,7 @@ MIXER = "model.layers.0.linear_attn"
 
 
 def build(seq_len: int):
-    from transformers import Qwen3_5TextConfig, Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(**MODEL, max_position_embeddings=max(seq_len, 128), pad_token_id=0)

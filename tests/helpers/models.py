@@ -138,6 +138,21 @@ CAUSAL_EXTRA = {
             mamba_chunk_size=8,
         ),
     ),
+    "bamba": dict(
+        config="BambaConfig",
+        model="BambaForCausalLM",  # Mamba2 mixers of one head group (run whole under SP) + attention
+        drop=("head_dim",),
+        kwargs=dict(
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_head=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+        ),
+    ),
     "qwen3_5": dict(
         config="Qwen3_5TextConfig",
         model="Qwen3_5ForCausalLM",  # gated DeltaNet (split by heads under SP) + full attention

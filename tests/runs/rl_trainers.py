@@ -157,6 +157,13 @@ def _config(trainer, sp, dp, batch, accumulation, steps, checkpointing, evaluate
     return config(sp_size=sp, sp_mode=mode, **common)
 
 
+def _model(family: str):
+    model = build_model(family, layers=2)
+    if family == "granitemoehybrid":  # TRL 1.16 reads num_experts for an MoE model's load-balancing loss
+        model.config.num_experts = model.config.num_local_experts
+    return model
+
+
 def run_rl(
     trainer: str = "grpo",
     sp: int = 0,
@@ -187,7 +194,7 @@ def run_rl(
     os.environ.pop("ACCELERATE_USE_FSDP", None)
     if generate == "fixed":
         _identity_shuffle()
-    model = build_model(family, layers=2)
+    model = _model(family)
     model.config._name_or_path = _saved(model)  # where TRL loads its own reference model from
     peft_config = None
     if peft:
@@ -212,7 +219,7 @@ def run_rl(
         import seqpar_hf
 
         layout = seqpar_hf.ParallelLayout(sp_size=sp, mode=mode)
-        separate = build_model(family, layers=2)
+        separate = _model(family)
         seqpar_hf.patch_model(model, layout)
         ref_model = {"copy": copy.deepcopy(model), "separate": separate, "path": None}[ref]
         cls = sp_trl.SequenceParallelGRPOTrainer if trainer == "grpo" else sp_trl.SequenceParallelRLOOTrainer
@@ -295,11 +302,9 @@ GENERATION = {
 # sp=2 x dp=2 against one process with the global batch (per_device x 2)
 CASES_4 = {
     "grpo-dp2": (dict(**GRPO, dp=2, evaluate=True), dict(**GRPO, dp=2, evaluate=True)),
-    # Granite 4's Mamba2 + MoE layers (one head group: its mixers run whole) with the policy's own greedy generate
-    "grpo-dp2-granite4-generate": (
-        dict(**GREEDY, dp=2, family="granitemoehybrid"),
-        dict(**GREEDY, dp=2, family="granitemoehybrid"),
-    ),
+    # Bamba's Mamba2 layers (one head group: its mixers run whole) with the policy's own greedy generate. (Granite
+    # 4's MoE makes TRL pass output_router_logits= down to the attention, refused there as for every MoE under GRPO)
+    "grpo-dp2-bamba-generate": (dict(**GREEDY, dp=2, family="bamba"), dict(**GREEDY, dp=2, family="bamba")),
     "grpo-dp2-ring-peft": (dict(**GRPO, dp=2, mode="ring", peft=True), dict(**GRPO, dp=2, peft=True)),
     "rloo-dp2": (dict(trainer="rloo", dp=2), dict(trainer="rloo", dp=2)),
 }
