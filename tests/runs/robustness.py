@@ -298,6 +298,15 @@ def bad_inputs():
 
     results["submodule-called-directly"] = attempt(submodule_called_directly)
 
+    def mixers_with_cu_seq_lens():  # a kernel that reads cu_seqlens would reset its state per document
+        model = seqpar_hf.patch_model(build_model("qwen3_5"), layout)
+        ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        model(input_ids=ids, labels=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+    results["mixers-cu-seq-lens"] = attempt(mixers_with_cu_seq_lens)
+
     def custom_attention():
         from transformers import AttentionInterface
 

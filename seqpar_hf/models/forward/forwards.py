@@ -31,7 +31,7 @@ from . import labels as labels_
 from .checks import check_forward
 from .context import CONTEXT_KWARG, ForwardContext
 from .head import TiledHead
-from .inputs import shard_causal, shard_plan, shard_seq2seq
+from .inputs import FLASH_KWARGS, shard_causal, shard_plan, shard_seq2seq
 from .loss import IGNORE_INDEX, group_mean_loss, tiled_token_loss_sum, token_loss_sum
 from .rng import per_rank_stream
 from .state import PatchState, Request
@@ -109,6 +109,14 @@ class BackboneForward(Wrapper):
             raise ValueError(state.offload_layers.problem)
         if kwargs.get("output_hidden_states") and layout.sizes.tp_size > 1:
             raise NotImplementedError("output_hidden_states is not available with tensor parallelism")
+        if family.mixers and any(kwargs.get(k) is not None for k in FLASH_KWARGS[:4]):
+            kinds = sorted({type(family.backbone.get_submodule(n)).__name__ for n in family.mixers})
+            raise NotImplementedError(
+                f"cu_seq_lens_q / max_length_q with token mixers outside attention ({', '.join(kinds)}): their "
+                "kernels may reset their state at each document where they read cu_seqlens (flash-linear-attention, "
+                "mamba-ssm), which the mixers run under SP are not given. Pass restarting position_ids alone "
+                "(DataCollatorWithFlattening(return_flash_attn_kwargs=False)), as the unpatched model then runs"
+            )
         return_dict = kwargs.pop("return_dict", None)
         shard = shard_seq2seq if family.kind == "seq2seq" else shard_causal
         ctx = shard(
