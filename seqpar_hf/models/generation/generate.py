@@ -141,6 +141,7 @@ def generate(state: PatchState, original, kwargs: dict):
 def refusal(state: PatchState, kwargs: dict, config) -> str | None:
     """Why this `generate` call cannot run under SP (None: it can), decided on this rank with no collective."""
     model = state.family.pretrained
+    unindexed = _unindexed(state)
     mode = config.get_generation_mode(kwargs.get("assistant_model"))
     mode = getattr(mode, "value", mode)
     checks = [
@@ -164,7 +165,7 @@ def refusal(state: PatchState, kwargs: dict, config) -> str | None:
         ),
         (kwargs.get("custom_generate") is not None, "custom_generate is not supported"),
         (
-            state.family.kind == "causal" and bool(unindexed := _unindexed(state)),
+            state.family.kind == "causal" and bool(unindexed),
             f"attention module {unindexed[0] if unindexed else ''} has no layer index of its own (a block shared "
             "by several layers, as Zamba's), by which the sequence-sharded cache keeps each layer's keys",
         ),
