@@ -264,6 +264,9 @@ CASES = {
     "grpo-separate-reference": (dict(**GRPO, ref="separate"), dict(**GRPO)),
     "grpo-reference-loaded-by-trl": (dict(**GRPO, ref="path"), dict(**GRPO)),
     "grpo-ring": (dict(**GRPO, mode="ring"), dict(**GRPO)),
+    # Granite 4: Mamba2 mixers run whole, MoE with TRL's load-balancing loss (output_router_logits=, the router
+    # logits gathered over the group). Not at dp=2: a load-balancing loss per replica is not one process's
+    "grpo-granite4-moe": (dict(**GRPO, family="granitemoehybrid"), dict(**GRPO, family="granitemoehybrid")),
     "grpo-peft-checkpointing": (
         dict(**GRPO, peft=True, checkpointing=True),
         dict(**GRPO, peft=True, checkpointing=True),
@@ -302,8 +305,7 @@ GENERATION = {
 # sp=2 x dp=2 against one process with the global batch (per_device x 2)
 CASES_4 = {
     "grpo-dp2": (dict(**GRPO, dp=2, evaluate=True), dict(**GRPO, dp=2, evaluate=True)),
-    # Bamba's Mamba2 layers (one head group: its mixers run whole) with the policy's own greedy generate. (Granite
-    # 4's MoE makes TRL pass output_router_logits= down to the attention, refused there as for every MoE under GRPO)
+    # Bamba's Mamba2 layers (one head group: its mixers run whole) with the policy's own greedy generate
     "grpo-dp2-bamba-generate": (dict(**GREEDY, dp=2, family="bamba"), dict(**GREEDY, dp=2, family="bamba")),
     "grpo-dp2-ring-peft": (dict(**GRPO, dp=2, mode="ring", peft=True), dict(**GRPO, dp=2, peft=True)),
     "rloo-dp2": (dict(trainer="rloo", dp=2), dict(trainer="rloo", dp=2)),

@@ -22,6 +22,7 @@ CARRIED = (
     "cache_position",
     "output_attentions",
     "output_hidden_states",
+    "output_router_logits",  # an MoE model's output flag, passed down with the layers' kwargs
     "use_cache",
     "return_dict",
     "cu_seq_lens_q",
