@@ -87,6 +87,20 @@ def test_mamba2_group_slices_sum_to_the_module():
     )
 
 
+def test_short_convolution_channel_slices_sum_to_the_module():
+    """LFM2's gated short convolution splits by channels (B, C, x rows, filter, output column each); an output
+    bias is added by the first range only, so the sum stays the module's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny("lfm2", "Lfm2ForCausalLM")[0].float()
+    module = model.model.layers[0].conv
+    layout = heads.head_layout(module)
+    assert isinstance(layout, heads.ChannelLayout) and layout.units == model.config.hidden_size
+    assert heads.prove(module, module.forward, layout, 4) is None
+    module.out_proj.bias = torch.nn.Parameter(torch.randn(layout.units))
+    assert heads.prove(module, module.forward, heads.head_layout(module), 3) is None
+
+
 def test_modules_of_other_structures_have_no_head_layout():
     assert heads.head_layout(torch.nn.Linear(4, 4)) is None
     assert heads.ranges(5, 2) == [(0, 3), (3, 5)]

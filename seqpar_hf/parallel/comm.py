@@ -177,7 +177,7 @@ def _reduce_scatter_shards(full: torch.Tensor, plan, group, dim: int) -> torch.T
     send = blocks.contiguous()
     out = send.new_empty((local, *send.shape[1:]))
     dist.reduce_scatter_tensor(out, send, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # [b, s_loc, ...] as the layers expect it (views of it)
 
 
 class GatherForReplica(torch.autograd.Function):

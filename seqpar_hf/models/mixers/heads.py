@@ -1,6 +1,6 @@
 """A token mixer split by heads: each rank of the SP group runs the module's own forward on the whole sequence
-for its own heads only (a gated DeltaNet's key-head groups, a Mamba2 mixer's head groups), and the ranks'
-output projections are summed at each rank's tokens.
+for its own heads only (a gated DeltaNet's key-head groups, a Mamba2 mixer's head groups, a short convolution's
+channels), and the ranks' output projections are summed at each rank's tokens.
 
 The layer's input is all-gathered (as for a mixer run whole, `gathered.py`); then, in place of the full
 module, a head slice of it runs: every parameter indexed to this rank's key heads (the value heads, gates,
@@ -130,6 +130,48 @@ class SsdLayout:
         }
 
 
+@dataclass(frozen=True)
+class ChannelLayout:
+    """A gated short convolution (LFM2's): `channels` independent channels, each with its B, C and x rows of the
+    input projection, its depthwise filter and its output-projection column. The ranks split the channels; an
+    output bias is added once (the first range's)."""
+
+    channels: int
+
+    @property
+    def units(self) -> int:
+        return self.channels
+
+    def rows(self, name: str, c0: int, c1: int) -> tuple[int, torch.Tensor] | None:
+        n = self.channels
+        own = torch.arange(c0, c1)
+        table = {
+            "in_proj.weight": (0, torch.cat([own, own + n, own + 2 * n])),
+            "in_proj.bias": (0, torch.cat([own, own + n, own + 2 * n])),
+            "conv.weight": (0, own),
+            "conv.bias": (0, own),
+            "out_proj.weight": (1, own),
+        }
+        return table.get(name)
+
+    def attributes(self, c0: int, c1: int) -> dict:
+        return {}
+
+
+def _channel_layout(module: nn.Module) -> ChannelLayout | None:
+    children = dict(module.named_children())
+    conv, inp, out = children.get("conv"), children.get("in_proj"), children.get("out_proj")
+    if not (isinstance(conv, nn.Conv1d) and isinstance(inp, nn.Linear) and isinstance(out, nn.Linear)):
+        return None
+    n = conv.in_channels
+    if not (conv.groups == n == conv.out_channels and inp.out_features == 3 * n and out.in_features == n):
+        return None
+    return ChannelLayout(n)
+
+
+FIRST_ONLY = ("out_proj.bias",)  # shared by every slice, but summed over the group: kept by the first range only
+
+
 _SSD = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size")
 
 
@@ -148,19 +190,20 @@ def _placed(layout, module: nn.Module) -> bool:
     """Every parameter is one the layout places (or a gated DeltaNet's norm weight, shared by all heads)."""
     for name, p in module.named_parameters():
         placed = layout.rows(name, 0, layout.units)
-        if placed is None and not (isinstance(layout, HeadLayout) and name.startswith("norm.")):
+        shared = (isinstance(layout, HeadLayout) and name.startswith("norm.")) or name in FIRST_ONLY
+        if placed is None and not shared:
             return False
         if placed is not None and p.shape[placed[0]] != placed[1].numel():
             return False
     return True
 
 
-def head_layout(module: nn.Module) -> HeadLayout | SsdLayout | None:
+def head_layout(module: nn.Module) -> HeadLayout | SsdLayout | ChannelLayout | None:
     """The module's head layout, or None when it is not a gated DeltaNet of a layout known here (every
     parameter must be one the layout places, or shared by all heads: the norm's per-channel weight)."""
-    ssd = _ssd_layout(module)
-    if ssd is not None:
-        return ssd if _placed(ssd, module) else None
+    for other in (_ssd_layout(module), _channel_layout(module)):
+        if other is not None:
+            return other if _placed(other, module) else None
     if not all(isinstance(getattr(module, a, None), int) for a in _SHAPE):
         return None
     children = {n for n, _ in module.named_children()}
@@ -184,7 +227,7 @@ def ranges(k_heads: int, n: int) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def sliced(module: nn.Module, layout: HeadLayout | SsdLayout, k0: int, k1: int):
+def sliced(module: nn.Module, layout: HeadLayout | SsdLayout | ChannelLayout, k0: int, k1: int):
     """Inside: `module` (its parameters and head counts) is its slice for key heads [k0, k1). The parameters
     are index views of the module's own, so gradients reach them at the slice's rows."""
     saved_params: list = []
@@ -192,10 +235,13 @@ def sliced(module: nn.Module, layout: HeadLayout | SsdLayout, k0: int, k1: int):
     try:
         for name, p in list(module.named_parameters()):
             placed = layout.rows(name, k0, k1)
-            if placed is None:
-                continue
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
+            if placed is None:
+                if name in FIRST_ONLY and k0 > 0:  # added once over the group: zero here, and no gradient
+                    saved_params.append((owner, leaf, owner._parameters[leaf]))
+                    owner._parameters[leaf] = p.detach() * 0  # type: ignore[assignment]
+                continue
             saved_params.append((owner, leaf, owner._parameters[leaf]))
             dim, index = placed
             start, count = int(index[0]), index.numel()
@@ -215,12 +261,12 @@ def sliced(module: nn.Module, layout: HeadLayout | SsdLayout, k0: int, k1: int):
             object.__setattr__(module, attr, value)
 
 
-def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout, n: int) -> str | None:
+def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout | ChannelLayout, n: int) -> str | None:
     """None when the slices of `n` ranks' head ranges, summed, give the module's own output on a random
     batch (two rows, the second left-padded); else why not."""
     hk = layout.units
     if hk < n:
-        what = "key heads" if isinstance(layout, HeadLayout) else "head groups"
+        what = {HeadLayout: "key heads", SsdLayout: "head groups", ChannelLayout: "channels"}[type(layout)]
         return f"has {hk} {what}, fewer than the {n} ranks"
     p = next(module.parameters())
     width = int(module.get_submodule("out_proj").weight.shape[0])  # type: ignore[index]
