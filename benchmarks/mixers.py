@@ -8,7 +8,7 @@ path (models/mixers/): split by heads, run whole, and one process without SP.
 The model: a Qwen3.5 text model from a config (hidden 512, two layers: gated DeltaNet then full attention,
 key heads 4 / value heads 8 of width 64 as Qwen3-Next's 16 / 32 of 128 scaled down, vocab 1024), fp32,
 batch 1, in gloo processes of one thread each (sp=4 runs 4 processes on 2 cores: its times are not a
-speed). The run-whole path is the one a mixer takes when no head layout is proven (Jamba, LFM2, Kimi
+speed). The run-whole path is the one a mixer takes when no head layout is proven (Jamba, Granite 4, Kimi
 Linear, ...): here forced by hiding the head layout, on the same model.
 """
 

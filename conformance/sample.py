@@ -71,6 +71,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet split by heads (+ MoE)
     ("qwen3_5", "Qwen3_5ForCausalLM", ("ring",), (P,)),  # gated DeltaNet, separate projections
     ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2 split by head groups
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group: by heads, norm summed
     # refused at patch_model, naming the module and why
     ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
     ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named

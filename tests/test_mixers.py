@@ -82,9 +82,28 @@ def test_mamba2_group_slices_sum_to_the_module():
     layout = heads.head_layout(module)
     assert isinstance(layout, heads.SsdLayout) and layout.units == 2
     assert heads.prove(module, module.forward, layout, 2) is None
-    assert "1 head groups, fewer than the 2 ranks" in heads.prove(
-        module, module.forward, heads.SsdLayout(1, 2 * layout.per_group, layout.dim, layout.state), 2
-    )
+    one = heads.SsdLayout(1, 2 * layout.per_group, layout.dim, layout.state)
+    assert "1 head groups, fewer than the 2 ranks" in heads.prove(module, module.forward, one, 2)
+
+
+@pytest.mark.parametrize(
+    "model_type,class_name", [("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("bamba", "BambaForCausalLM")]
+)
+def test_mamba2_of_one_group_splits_by_heads_with_the_norm_summed(model_type, class_name):
+    """Fewer groups than ranks: each rank some heads of one group, its B / C, and the gated norm over the
+    group's channels from the ranks' sums of squares (an all-reduce; in the proof, the slices' sums). Heads
+    that would span two groups are not a split."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny(model_type, class_name)[0].float()
+    module = model.model.layers[0].mamba
+    layout = heads.head_layout(module)
+    assert isinstance(layout, heads.SsdLayout) and layout.groups == 1
+    by_heads = heads.SsdLayout(layout.groups, layout.per_group, layout.dim, layout.state, by_heads=True)
+    for n in (2, 4):
+        assert heads.prove(module, module.forward, by_heads, n) is None
+    two = heads.SsdLayout(2, layout.per_group // 2, layout.dim, layout.state, by_heads=True)
+    assert heads.prove(module, module.forward, two, 3) is not None
 
 
 def test_short_convolution_channel_slices_sum_to_the_module():

@@ -93,14 +93,25 @@ class SsdLayout:
     per_group: int
     dim: int
     state: int
+    by_heads: bool = False  # fewer groups than ranks: each rank some heads of one group, the norm's sums all-reduced
 
     @property
     def units(self) -> int:
-        return self.groups
+        return self.groups * self.per_group if self.by_heads else self.groups
+
+    def _span(self, u0: int, u1: int) -> tuple[int, int, int, int]:
+        """(first head, end head, first group, end group) of units [u0, u1)."""
+        if not self.by_heads:
+            return u0 * self.per_group, u1 * self.per_group, u0, u1
+        group = u0 // self.per_group
+        if (u1 - 1) // self.per_group != group:
+            raise ValueError(f"heads {u0}..{u1 - 1} span two groups")
+        return u0, u1, group, group + 1
 
     def rows(self, name: str, g0: int, g1: int) -> tuple[int, torch.Tensor] | None:
         heads, n, d = self.groups * self.per_group, self.state, self.dim
-        inner, h0, h1 = heads * d, g0 * self.per_group, g1 * self.per_group
+        h0, h1, g0, g1 = self._span(g0, g1)
+        inner = heads * d
         block = lambda start, a, b, width: torch.arange(start + a * width, start + b * width)
         xbc = [block(0, h0, h1, d), block(inner, g0, g1, n), block(inner + self.groups * n, g0, g1, n)]
         projection = torch.cat(
@@ -120,8 +131,8 @@ class SsdLayout:
         return table.get(name)
 
     def attributes(self, g0: int, g1: int) -> dict:
-        groups = g1 - g0
-        heads = groups * self.per_group
+        h0, h1, g0, g1 = self._span(g0, g1)
+        groups, heads = g1 - g0, h1 - h0
         return {
             "num_heads": heads,
             "n_groups": groups,
@@ -173,6 +184,28 @@ FIRST_ONLY = ("out_proj.bias",)  # shared by every slice, but summed over the gr
 
 
 _SSD = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size")
+
+
+class GroupNorm:
+    """A Mamba2 gated RMS norm over channels that several ranks hold: this rank's sum of squares per group, summed
+    over the ranks by `combine` (an all-reduce; the dry run's proof, the other slices' sums), then the norm's own
+    formula. Stands in for `norm.forward` while a head slice of a mixer whose groups span ranks runs."""
+
+    def __init__(self, norm: nn.Module, group: int, groups: int, combine):
+        self.norm, self.group, self.groups, self.combine = norm, group, groups, combine
+
+    def __call__(self, hidden_states, gate=None):
+        norm = self.norm
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        if gate is not None:
+            h = h * nn.functional.silu(gate.to(torch.float32))
+        local = h.pow(2).sum(-1, keepdim=True)  # [..., 1]: this rank's channels of its group
+        sums = torch.zeros(*local.shape[:-1], self.groups, dtype=local.dtype, device=local.device)
+        sums = sums.index_add(-1, torch.tensor([self.group], device=local.device), local)
+        total = self.combine(sums).narrow(-1, self.group, 1)
+        h = h * torch.rsqrt(total / int(norm.group_size) + norm.variance_epsilon)
+        return norm.weight * h.to(dtype)
 
 
 def _ssd_layout(module: nn.Module) -> SsdLayout | None:
@@ -227,7 +260,7 @@ def ranges(k_heads: int, n: int) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def sliced(module: nn.Module, layout: HeadLayout | SsdLayout | ChannelLayout, k0: int, k1: int):
+def sliced(module: nn.Module, layout: HeadLayout | SsdLayout | ChannelLayout, k0: int, k1: int, combine=None):
     """Inside: `module` (its parameters and head counts) is its slice for key heads [k0, k1). The parameters
     are index views of the module's own, so gradients reach them at the slice's rows."""
     saved_params: list = []
@@ -249,6 +282,11 @@ def sliced(module: nn.Module, layout: HeadLayout | SsdLayout | ChannelLayout, k0
                 owner._parameters[leaf] = p.narrow(dim, start, count)  # type: ignore[assignment]
             else:
                 owner._parameters[leaf] = p.index_select(dim, index.to(p.device))  # type: ignore[assignment]
+        if isinstance(layout, SsdLayout) and layout.by_heads:
+            norm = module.get_submodule("norm")
+            group = layout._span(k0, k1)[2]
+            saved_attrs["norm.forward"] = norm.__dict__.get("forward")
+            norm.forward = GroupNorm(norm, group, layout.groups, combine or (lambda t: t))
         for attr, value in layout.attributes(k0, k1).items():
             if hasattr(module, attr):
                 saved_attrs[attr] = getattr(module, attr)
@@ -258,7 +296,14 @@ def sliced(module: nn.Module, layout: HeadLayout | SsdLayout | ChannelLayout, k0
         for owner, leaf, p in saved_params:
             owner._parameters[leaf] = p
         for attr, value in saved_attrs.items():
-            object.__setattr__(module, attr, value)
+            if attr == "norm.forward":
+                norm = module.get_submodule("norm")
+                if value is None:
+                    norm.__dict__.pop("forward", None)
+                else:
+                    norm.forward = value
+            else:
+                object.__setattr__(module, attr, value)
 
 
 def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout | ChannelLayout, n: int) -> str | None:
@@ -277,9 +322,13 @@ def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout | ChannelL
     try:
         with torch.no_grad():
             want = original(x, attention_mask=mask)
-            got = sum(
-                _call(module, original, layout, k0, k1, (x,), {"attention_mask": mask}) for k0, k1 in ranges(hk, n)
-            )
+            spans = ranges(hk, n)
+            combine = _Summed()  # the norm's all-reduce: the slices' own sums, added (first pass: collected)
+            call = lambda k0, k1: _call(module, original, layout, k0, k1, (x,), {"attention_mask": mask}, combine)
+            for k0, k1 in spans if isinstance(layout, SsdLayout) and layout.by_heads else ():
+                call(k0, k1)
+            combine.ready = True
+            got = sum(call(k0, k1) for k0, k1 in spans)
     except Exception as exc:  # noqa: BLE001 - a layout that does not apply: the module runs whole
         return f"its head slices fail ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
     tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(p.dtype, 5e-2)
@@ -288,9 +337,44 @@ def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout | ChannelL
     return None if err <= tol else f"its head slices, summed, are not its output (relative error {err:.1e})"
 
 
-def _call(module, original, layout, k0, k1, args, kwargs):
-    with sliced(module, layout, k0, k1):
+def _call(module, original, layout, k0, k1, args, kwargs, combine=None):
+    with sliced(module, layout, k0, k1, combine):
         return original(*args, **kwargs)
+
+
+class _Summed:
+    """The proof's stand-in for the norm's all-reduce: collects each slice's sums, then hands back their total."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.ready = False
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.ready:
+            self.parts.append(t)
+            return t
+        return torch.stack(self.parts).sum(0)
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over the group; the backward sums the ranks' gradients (every rank's output is the same total)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(group):
+    return lambda t: _AllReduce.apply(t, group)
 
 
 class HeadParallelMixer:
@@ -313,7 +397,7 @@ class HeadParallelMixer:
             ctx, self.side, self.params, args, kwargs, lambda path, x: gather_for_replica(x, plan, group)
         )
         k0, k1 = ranges(self.layout.units, layout.sp_size)[layout.sp_rank]
-        partial = _call(self.module, self.original, self.layout, k0, k1, full_args, full_kwargs)
+        partial = _call(self.module, self.original, self.layout, k0, k1, full_args, full_kwargs, all_reduce(group))
         return sum_to_shard(partial, plan, group)
 
     def step(self, ctx, args, kwargs):
@@ -323,5 +407,5 @@ class HeadParallelMixer:
         if self.state.detached or layout is None or group_size(layout.sp_group) == 1:
             return self.original(*args, **kwargs)
         k0, k1 = ranges(self.layout.units, layout.sp_size)[layout.sp_rank]
-        partial = _call(self.module, self.original, self.layout, k0, k1, args, kwargs)
+        partial = _call(self.module, self.original, self.layout, k0, k1, args, kwargs, all_reduce(layout.sp_group))
         return group_sum(partial, layout.sp_group)

@@ -13,6 +13,8 @@ def install(state, family, layout) -> dict:
     for name, side in family.mixers.items():
         module = backbone.get_submodule(name)
         split = heads.head_layout(module)
+        if isinstance(split, heads.SsdLayout) and split.groups < layout.sp_size:  # heads of one group per rank
+            split = heads.SsdLayout(split.groups, split.per_group, split.dim, split.state, by_heads=True)
         why = (
             "has no head layout known here"
             if split is None
