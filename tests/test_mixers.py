@@ -120,6 +120,14 @@ def test_short_convolution_channel_slices_sum_to_the_module():
     assert heads.prove(module, module.forward, heads.head_layout(module), 3) is None
 
 
+def test_olmo_hybrid_deltanet_splits_by_heads():
+    """One projection per input (q / k / v / a / b / g, o_proj, o_norm shared): the same head split."""
+    module = _mixer("olmo_hybrid", "OlmoHybridForCausalLM")
+    layout = heads.head_layout(module)
+    assert isinstance(layout, heads.HeadLayout) and layout.projections
+    assert heads.prove(module, module.forward, layout, 4) is None
+
+
 def test_modules_of_other_structures_have_no_head_layout():
     assert heads.head_layout(torch.nn.Linear(4, 4)) is None
     assert heads.ranges(5, 2) == [(0, 3), (3, 5)]

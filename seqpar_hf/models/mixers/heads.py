@@ -33,6 +33,7 @@ from .gathered import ContextHolder, full_call
 _SHAPE = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 _FUSED = {"in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj"}
 _SEPARATE = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj"}
+_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj", "conv1d"}  # OLMo-hybrid
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class HeadLayout:
     ratio: int
     dk: int
     dv: int
+    projections: bool = False  # one projection per input (q_proj ... g_proj, o_proj), as OLMo-hybrid's
 
     @property
     def units(self) -> int:
@@ -62,7 +64,20 @@ class HeadLayout:
             "A_log": (0, span(0, r)),
             "out_proj.weight": (1, span(0, r * dv)),
         }
-        if self.fused:  # one row block per key head: q, k, then its value heads' v and z (b, a likewise)
+        if self.projections:
+            del table["out_proj.weight"]
+            table.update(
+                {
+                    "q_proj.weight": (0, span(0, dk)),
+                    "k_proj.weight": (0, span(0, dk)),
+                    "v_proj.weight": (0, span(0, r * dv)),
+                    "g_proj.weight": (0, span(0, r * dv)),
+                    "a_proj.weight": (0, span(0, r)),
+                    "b_proj.weight": (0, span(0, r)),
+                    "o_proj.weight": (1, span(0, r * dv)),
+                }
+            )
+        elif self.fused:  # one row block per key head: q, k, then its value heads' v and z (b, a likewise)
             table["in_proj_qkvz.weight"] = (0, span(0, 2 * dk + 2 * r * dv))
             table["in_proj_ba.weight"] = (0, span(0, 2 * r))
         else:
@@ -223,7 +238,7 @@ def _placed(layout, module: nn.Module) -> bool:
     """Every parameter is one the layout places (or a gated DeltaNet's norm weight, shared by all heads)."""
     for name, p in module.named_parameters():
         placed = layout.rows(name, 0, layout.units)
-        shared = (isinstance(layout, HeadLayout) and name.startswith("norm.")) or name in FIRST_ONLY
+        shared = (isinstance(layout, HeadLayout) and name.startswith(("norm.", "o_norm."))) or name in FIRST_ONLY
         if placed is None and not shared:
             return False
         if placed is not None and p.shape[placed[0]] != placed[1].numel():
@@ -240,13 +255,13 @@ def head_layout(module: nn.Module) -> HeadLayout | SsdLayout | ChannelLayout | N
     if not all(isinstance(getattr(module, a, None), int) for a in _SHAPE):
         return None
     children = {n for n, _ in module.named_children()}
-    fused = _FUSED <= children
-    if not fused and not _SEPARATE <= children:
+    fused, projections = _FUSED <= children, _PROJECTIONS <= children
+    if not fused and not projections and not _SEPARATE <= children:
         return None
     hk, hv, dk, dv = (int(getattr(module, a)) for a in _SHAPE)
     if hk < 1 or hv % hk:
         return None
-    layout = HeadLayout(fused, hk, hv // hk, dk, dv)
+    layout = HeadLayout(fused, hk, hv // hk, dk, dv, projections)
     return layout if _placed(layout, module) else None
 
 
@@ -314,7 +329,8 @@ def prove(module: nn.Module, original, layout: HeadLayout | SsdLayout | ChannelL
         what = {HeadLayout: "key heads", SsdLayout: "head groups", ChannelLayout: "channels"}[type(layout)]
         return f"has {hk} {what}, fewer than the {n} ranks"
     p = next(module.parameters())
-    width = int(module.get_submodule("out_proj").weight.shape[0])  # type: ignore[index]
+    out = dict(module.named_children()).get("out_proj") or module.get_submodule("o_proj")
+    width = int(out.weight.shape[0])  # type: ignore[index]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 11, width, generator=g, dtype=torch.float64).to(p.device, p.dtype)
     mask = torch.ones(2, 11, dtype=torch.long, device=p.device)
