@@ -13,12 +13,12 @@ in a 32-row table (GPT-2), yarn whose original length is shorter than the batch 
 (Marian, BART, M2M100 with padding-aware sinusoidal positions), padding-aware learned positions (RoBERTa), an LM
 forward around its backbone (OPT: its packed rows refused), a window only in the cache (Moshi), a config without
 pad_token_id (CodeGen), a bidirectional sliding-window encoder with soft-capping (T5Gemma), soft-capping (Gemma 2),
-learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and token mixers run on the whole sequence (LFM2's short
-convolution, Jamba's and Nemotron-H's Mamba, Qwen3-Next's and Qwen3.5's gated DeltaNet), and the refusals: a mixer
-under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative position bias (T5),
-attention keywords (Inkling, DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models (EncoderDecoder),
-global-local attention (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms
-(Cohere), a plan that shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
+learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and token mixers (LFM2's short convolution by channel,
+Nemotron-H's and Granite 4's Mamba2 and Qwen3-Next's gated DeltaNet by heads, Jamba's Mamba run whole), and the
+refusals: a mixer under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative
+position bias (T5), attention keywords (Inkling, DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models
+(EncoderDecoder), global-local attention (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP:
+per-head norms (Cohere), a plan that shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
 """
 
 from __future__ import annotations
@@ -65,11 +65,10 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
     ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP
     ("olmo:clip_qkv", "OlmoForCausalLM", ("tp2",), (P,)),  # TP: q / k / v clamped in place
-    # token mixers run on the whole sequence (models/mixers/gathered.py)
-    ("lfm2", "Lfm2ForCausalLM", ("ulysses",), (P, K)),  # short convolution
+    # token mixers outside attention (models/mixers/)
+    ("lfm2", "Lfm2ForCausalLM", ("ulysses",), (P,)),  # short convolution, split by channel
     ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
     ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet split by heads (+ MoE)
-    ("qwen3_5", "Qwen3_5ForCausalLM", ("ring",), (P,)),  # gated DeltaNet, separate projections
     ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2 split by head groups
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group: by heads, norm summed
     # refused at patch_model, naming the module and why

@@ -305,8 +305,6 @@ GENERATION = {
 # sp=2 x dp=2 against one process with the global batch (per_device x 2)
 CASES_4 = {
     "grpo-dp2": (dict(**GRPO, dp=2, evaluate=True), dict(**GRPO, dp=2, evaluate=True)),
-    # Bamba's Mamba2 layers (one head group: its mixers run whole) with the policy's own greedy generate
-    "grpo-dp2-bamba-generate": (dict(**GREEDY, dp=2, family="bamba"), dict(**GREEDY, dp=2, family="bamba")),
     "grpo-dp2-ring-peft": (dict(**GRPO, dp=2, mode="ring", peft=True), dict(**GRPO, dp=2, peft=True)),
     "rloo-dp2": (dict(trainer="rloo", dp=2), dict(trainer="rloo", dp=2)),
 }
