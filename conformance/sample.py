@@ -70,6 +70,8 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
     ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet split by heads (+ MoE)
     ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2 split by head groups
+    ("zamba2", "Zamba2ForCausalLM", ("ulysses",), (G,)),  # a cache layer holding a mixer's states and keys
+    ("zamba", "ZambaForCausalLM", ("ulysses",), (G,)),  # generate refused: shared attention without a layer index
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group: by heads, norm summed
     # refused at patch_model, naming the module and why
     ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
@@ -99,6 +101,7 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("opt", "ulysses", K): "lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents",
     ("gpt_oss", "ulysses", K): "lets model.layers.0.self_attn (GptOssAttention) attend across the documents",
     ("lfm2", "tp2"): "layers.0.conv (Lfm2ShortConv) mixes tokens outside attention and runs on the whole sequence",
+    ("zamba", "ulysses", G): "attention module layers.1.shared_transf.self_attn has no layer index of its own",
     ("mamba", "ulysses"): f"backbone.layers.0.mixer (MambaMixer) {_CONV}",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence
