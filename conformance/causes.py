@@ -39,11 +39,10 @@ CAUSES = (  # (pattern in the message, cause), first match wins
     ),
     (
         r"is given a pattern other than|says is_causal",
-        "an attention mask it cannot reproduce: chunked, blockwise, "
-        "learned bias, or is_causal against the mask (named)",
+        "an attention mask it cannot reproduce: blockwise, prefix, learned bias, or is_causal against the mask (named)",
     ),
     (r"relative position bias|ALiBi", "relative position bias or ALiBi over the whole sequence"),
-    (r"chunked attention|temperature tuning", "chunked attention or query temperature tuning (Llama 4)"),
+    (r"temperature tuning", "a query scale by index that does not match the one proven (Llama 4)"),
     (
         r"no shift|not the token-mean|shifts its encoder-decoder labels",
         "a loss other than the causal / "

@@ -104,12 +104,10 @@ VARIANTS: dict[str, dict] = {
         _attrs={"model.decoder.layers.*.self_attn": {"is_causal": False}}, _attn="eager"
     ),
     "t5gemma:no_softcap": dict(encoder={"attn_logit_softcapping": None}, decoder={"attn_logit_softcapping": None}),
-    # Llama 4 as its refusals say to train it: no chunks, no temperature tuning (its NoPE layer stays NoPE)
     # Nemotron-H with 2 head groups (released: 8), so that its Mamba2 mixers split by groups at sp=2
     "nemotron_h:two_groups": dict(n_groups=2),
-    "llama4:full_attention": dict(
-        attention_chunk_size=None, layer_types=["full_attention"] * 2, attn_temperature_tuning=False
-    ),
+    # Llama 4 with its NoPE layer's query scale changing every 4 tokens (released: 8192), so that it bites
+    "llama4:floor_scale_4": dict(floor_scale=4),
 }
 
 # (status, reason): UNBUILDABLE (cannot be built here) or NOT-A-TEXT-LM (built, but it is not a model that

@@ -60,7 +60,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("t5gemma", "T5GemmaForConditionalGeneration", ("ulysses",), (P,)),  # G: bidirectional window; soft-capping
     ("gemma2", "Gemma2ForCausalLM", ("ring",), (P, G)),  # soft-capping (0.02: it bites) in the block kernels
     ("gpt_oss", "GptOssForCausalLM", ("ulysses",), ALL),  # learned sinks (a ring of one); packed rows refused
-    ("llama4:full_attention", "Llama4ForCausalLM", ("ring",), (P,)),  # as its refusals say: no chunks, no tuning
+    ("llama4:floor_scale_4", "Llama4ForCausalLM", ("ring",), (P, G)),  # chunks; queries scaled by their index
     ("marian:decoder_is_causal_false_eager", "MarianMTModel", ("ulysses", "ring"), (P,)),  # E1: sides from keys
     ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
     ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP

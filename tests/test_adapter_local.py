@@ -114,21 +114,27 @@ def test_structural_refusals_name_the_reason_and_the_fix():
     bloom = BloomForCausalLM(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="BloomForCausalLM: transformer \\(BloomModel\\) computes attention itself"):
         seqpar_hf.patch_model(bloom, seqpar_hf.ParallelLayout(sp_size=1))
-    # Llama 4 with its chunks off: the NoPE layers' temperature tuning counts positions from 0 in each call, and
-    # only past floor_scale (8192) tokens, which no dry run reaches (accepted before, silently wrong under SP)
+    # Llama 4's NoPE layers scale their queries by their index counted from 0 in each call, past floor_scale
+    # (8192) tokens only, which no dry run reaches: the sharded attention rescales them, proven at patch time
+    # against the module's own forward; a module whose scale is not the one re-derived is refused
     from transformers import Llama4ForCausalLM
 
     from conformance.tiny import build_config
+    from seqpar_hf.models.proof import temperature
 
-    config = build_config("llama4_text", {"attention_chunk_size": None, "layer_types": ["full_attention"] * 2})
-    with pytest.raises(
-        ValueError,
-        match=r"model.layers.1.self_attn scales its queries.*floor_scale=8192.*"
-        r"attn_temperature_tuning = False",
-    ):
-        seqpar_hf.patch_model(Llama4ForCausalLM(config), seqpar_hf.ParallelLayout(sp_size=1))
-    config.attn_temperature_tuning = False
-    seqpar_hf.patch_model(Llama4ForCausalLM(config), seqpar_hf.ParallelLayout(sp_size=1))  # then accepted
+    config = build_config("llama4_text", {})
+    seqpar_hf.patch_model(Llama4ForCausalLM(config), seqpar_hf.ParallelLayout(sp_size=1))  # proven: accepted
+    wrong = temperature.scale
+    temperature.scale = lambda module, index, floor_scale=None: wrong(module, index + 1, floor_scale)
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"model.layers.1.self_attn scales its queries.*floor_scale=8192.*its query scale is not.*"
+            r"attn_temperature_tuning = False",
+        ):
+            seqpar_hf.patch_model(Llama4ForCausalLM(config), seqpar_hf.ParallelLayout(sp_size=1))
+    finally:
+        temperature.scale = wrong
 
 
 def test_attention_outside_a_sharded_forward_stops_with_the_fix():

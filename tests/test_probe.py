@@ -14,8 +14,8 @@ import torch
 
 import seqpar_hf
 from conformance.tiny import build_tiny
-from seqpar_hf.attention.mask_patterns import read_function, read_tensor
-from seqpar_hf.attention.masks import MaskSpec, SeqMeta
+from seqpar_hf.attention.mask_patterns import chunks_follow_padding, read_function, read_tensor
+from seqpar_hf.attention.masks import Chunks, MaskSpec, SeqMeta, chunked
 from seqpar_hf.models.proof.inspection import inspect_model
 from seqpar_hf.parallel.sharding import ShardPlan
 
@@ -336,12 +336,33 @@ def test_mask_patterns_read_exactly():
     assert read_function(m.bidirectional_mask_function) == (False, None)
     assert read_function(m.sliding_window_causal_mask_function(131072)) == (True, 131072)  # any window size
     assert read_function(m.sliding_window_bidirectional_mask_function(3)) == (False, 4)  # |i - j| <= 3
-    assert read_function(m.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))) is None
+    assert read_function(m.chunked_causal_mask_function(8192, torch.zeros(1, dtype=torch.long))) == (True, Chunks(8192))
+    # a blockwise pattern that is not causal within its blocks is not chunks
+    assert read_function(lambda b, h, q, kv: q // 4 == kv // 4) is None
     keys, rows = torch.ones(1, 6, dtype=torch.bool), torch.ones(1, 6, dtype=torch.bool)
     causal = torch.ones(6, 6).tril().bool()[None, None]
     assert read_tensor(causal, keys, rows) == (True, None)
     bias = torch.where(causal, torch.randn(1, 1, 6, 6), torch.finfo(torch.float32).min)
     assert read_tensor(bias, keys, rows) is None  # learned additive values: a bias, not a pattern
+
+
+def test_chunks_count_from_each_rows_first_real_token():
+    """Transformers counts a row's chunks past its left padding; a mask function that counts them from elsewhere
+    is not what the sharded kernels compute (chunks from each document's or row's first real token)."""
+    from transformers import masking_utils as m
+
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])
+    lead = (padding.cumsum(-1) == 0).sum(-1)
+    assert read_function(m.chunked_causal_mask_function(4, lead)) == (True, Chunks(4))
+    assert chunks_follow_padding(m.chunked_causal_mask_function(4, lead), 4, padding, 2)
+    from_zero = m.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
+    assert not chunks_follow_padding(from_zero, 4, padding, 2)
+    # and the kernels' chunks: row 1's first chunk starts at its first real token, index 3
+    valid = torch.tensor([[True] * 10, [False] * 3 + [True] * 7])
+    meta = chunked(SeqMeta(ShardPlan.build(10, 1, 0), valid, None), 4, 2, None)
+    assert meta.doc.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
+    packed = SeqMeta(ShardPlan.build(8, 1, 0), None, torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]]))
+    assert chunked(packed, 4, 1, None).doc.tolist() == [[0, 0, 0, 0, 1, 1, 2, 2]]  # chunks restart per document
 
 
 def test_bidirectional_window_mask():

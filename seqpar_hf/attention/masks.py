@@ -43,6 +43,16 @@ class MaskSpec:
     causal: bool
     window: int | None = None  # sliding window: i - j < window (causal), |i - j| < window (bidirectional)
 
+    @classmethod
+    def of(cls, q: SeqMeta, k: SeqMeta, causal: bool, window, batch: int, device) -> MaskSpec:
+        """The spec of a (causal, window) pattern; `Chunks` (self-attention only) become documents of their own."""
+        if isinstance(window, Chunks):
+            if q is not k:
+                raise NotImplementedError("chunked cross-attention is not supported under sequence parallelism")
+            q = k = chunked(q, window.size, batch, device)
+            window = None
+        return cls(q, k, causal, window)
+
     @property
     def trivial(self) -> bool:
         """Nothing beyond (maybe) plain causal: kernels take `is_causal` and no mask."""
@@ -87,9 +97,41 @@ class MaskSpec:
         return self.block_mask(q_idx, k_idx), False
 
 
-def check_window(window, causal: bool) -> int | None:
+@dataclass(frozen=True)
+class Chunks:
+    """Chunked attention (Llama 4): a query sees the keys of its own chunk of `size` tokens only, chunks counted
+    from each document's first real token. Carried where a sliding window would be; every chunk becomes a
+    document of its own (`chunked`), so packed-row kernels, ring blocks and masks need nothing new."""
+
+    size: int
+
+
+def chunked(meta: SeqMeta, size: int, batch: int, device) -> SeqMeta:
+    """`meta` with each document (each row, without packing) cut into chunks of `size` tokens, each a document.
+    As transformers counts them: from index 0 of each packed document (whose positions restart there), else
+    from the row's first real token (past its left padding). Padding stays in no document."""
+    idx = torch.arange(meta.plan.padded, device=device)
+    if meta.doc is not None:
+        doc = meta.doc
+        first = torch.ones_like(doc, dtype=torch.bool)
+        first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        start: torch.Tensor | int = torch.where(first, idx, 0).cummax(-1).values
+    else:
+        doc = torch.zeros(batch, meta.plan.padded, dtype=torch.long, device=device)
+        start = 0 if meta.valid is None else (meta.valid.long().cumsum(-1) == 0).sum(-1, keepdim=True)
+    piece = torch.div(idx - start, size, rounding_mode="floor").expand_as(doc)
+    new = torch.ones_like(doc, dtype=torch.bool)
+    new[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (piece[:, 1:] != piece[:, :-1])
+    return SeqMeta(meta.plan, meta.valid, torch.where(doc >= 0, new.long().cumsum(-1) - 1, -1))
+
+
+def check_window(window, causal: bool) -> int | Chunks | None:
     if window is None:
         return None
+    if isinstance(window, Chunks):
+        if not causal or window.size <= 0:
+            raise ValueError(f"chunked attention is causal with a positive chunk size, got {window}, causal={causal}")
+        return window
     if int(window) <= 0:
         raise ValueError(f"sliding window must be positive, got {window}")
     return int(window)

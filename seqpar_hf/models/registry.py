@@ -15,13 +15,15 @@ import functools
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.mask_patterns import read_function
+from ..attention.mask_patterns import chunks_follow_padding, read_function
+from ..attention.masks import Chunks
 from ..attention.scores import ScoreMods
 from .forward.context import CONTEXT_KWARG
 from .forward.sites import resolve, site_of
 from .forward.state import ATTN_DECODE_NAME, ATTN_NAME
 from .generation import decoding
 from .generation.decoding import DecodeStep
+from .proof import temperature
 
 
 def _pattern_key(fn):
@@ -42,21 +44,26 @@ def _pattern_key(fn):
 _CHECKED: set = set()  # mask functions (by _pattern_key) already found acceptable; a pure function of the key
 
 
-def _check_mask_pattern(mask_function) -> None:
-    """Refuse mask patterns other than causal, bidirectional and sliding-window (causal or bidirectional):
-    read off the function exactly (attention/mask_patterns.py), once per kind of mask function."""
+def _check_mask_pattern(mask_function, attention_mask=None, batch_size: int = 1) -> None:
+    """Refuse mask patterns other than causal, bidirectional, sliding-window (causal or bidirectional) and
+    causal chunks counted from each row's first real token: read off the function exactly
+    (attention/mask_patterns.py), once per kind of mask function."""
     key = _pattern_key(mask_function)
     if key is not None and key in _CHECKED:
         return
-    if read_function(mask_function) is not None:
+    pattern = read_function(mask_function)
+    if pattern is not None and isinstance(pattern[1], Chunks):
+        if not chunks_follow_padding(mask_function, pattern[1].size, attention_mask, batch_size):
+            pattern = None
+    if pattern is not None:
         if key is not None:
             _CHECKED.add(key)
         return
     name = getattr(mask_function, "__name__", type(mask_function).__name__)
     raise NotImplementedError(
-        f"seqpar_hf shards causal, bidirectional and sliding-window attention; this model "
-        f"asked for another mask pattern ({name!r}: chunked, prefix or custom masks are not "
-        "supported)"
+        f"seqpar_hf shards causal, bidirectional, sliding-window and chunked attention; this model "
+        f"asked for another mask pattern ({name!r}: prefix or custom masks, or chunks not counted from each "
+        "row's first real token, are not supported)"
     )
 
 
@@ -66,7 +73,7 @@ def sp_mask(
     """Mask function: no mask for the layers. Sequence-parallel attention takes padding, documents and
     windows from the forward's context (identical on every rank, so every rank makes the same decisions)."""
     if mask_function is not None:
-        _check_mask_pattern(mask_function)
+        _check_mask_pattern(mask_function, attention_mask, batch_size)
     return None
 
 
@@ -121,6 +128,7 @@ def sp_attention(
             window,
             kwargs,
         )
+    query = temperature.on_shard(module, query, ctx.plan(site.q_side))  # queries scaled by their index
     mods = ScoreMods.of(kwargs)  # soft-capping, sinks
     out = site.attend(ctx, query, key, value, causal, window, scaling, dropout, mods)  # [b, h, s_q/sp, d]
     if site.state.decoding is not None:  # the prompt's forward of generation: trim this layer's cache shard
@@ -134,7 +142,8 @@ def sp_decode_mask(*args, **kwargs):
     only where an attention site asks for it (`decoding.DeferredMask`)."""
     mask_function = kwargs.get("mask_function", args[5] if len(args) > 5 else None)
     if mask_function is not None:
-        _check_mask_pattern(mask_function)
+        attention_mask = kwargs.get("attention_mask", args[6] if len(args) > 6 else None)
+        _check_mask_pattern(mask_function, attention_mask, kwargs.get("batch_size", args[0] if args else 1))
     return decoding.deferred_mask(*args, **kwargs)
 
 

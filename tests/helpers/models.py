@@ -120,6 +120,22 @@ CAUSAL_EXTRA = {
         kwargs=dict(sliding_window=4, query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"]),
     ),
     "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM"),  # norms after attention, q/k norm
+    "llama4": dict(
+        config="Llama4TextConfig",
+        model="Llama4ForCausalLM",  # chunked attention (chunks of 4) and a NoPE layer whose queries are scaled by
+        # their index (temperature tuning from index 3 on: floor_scale=3), MoE
+        kwargs=dict(
+            attention_chunk_size=4,
+            layer_types=["chunked_attention", "full_attention"],
+            no_rope_layers=[1, 0],
+            floor_scale=3,
+            attn_scale=0.5,
+            intermediate_size_mlp=48,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+        ),
+    ),
     "granitemoehybrid": dict(
         config="GraniteMoeHybridConfig",
         model="GraniteMoeHybridForCausalLM",  # Granite 4: Mamba2 mixers (run whole under SP) + MoE + attention

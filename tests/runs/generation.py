@@ -139,7 +139,7 @@ def run_case(case: dict) -> dict:
     }
     if case.get("beams", 1) > 1:
         result["sequence_scores_err"] = relative_error(out.sequences_scores, want.sequences_scores)
-    windowed = "sliding_window" in case.get("model", {})
+    windowed = "sliding_window" in case.get("model", {}) or case.get("windowed")  # evicted every EVICT_EVERY steps
     if family not in SEQ2SEQ and not windowed:  # the cache stays sharded: this rank's keys are about 1/sp of them
         result["cache_keys"] = sum(layer.keys.shape[2] for layer in out.cache.layers)
         result["reference_keys"] = sum(layer.keys.shape[2] for layer in want.cache.layers)
@@ -175,6 +175,9 @@ def _cases(world: int) -> list[dict]:
             dict(base, name="ulysses-gemma3n-kv-shared-evicting", family="gemma3n", model=window, new=14, evict=6),
             # latent attention: v's head width apart from q/k's, a sharded cache of the latents
             dict(base, name="ring-deepseek_v3-greedy", family="deepseek_v3", mode="ring"),
+            # chunks of 4 counted past each prompt's left padding, in the prompt and in the decoding steps; queries
+            # scaled by their index (temperature tuning from index 3)
+            dict(base, name="ring-llama4-chunks-beam4", family="llama4", mode="ring", beams=4, new=10, windowed=True),
         ]
     base = dict(sp=4)
     return [

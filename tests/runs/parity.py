@@ -136,6 +136,7 @@ NEW_FAMILIES = [
     "gemma3",
     "olmo2",
     "qwen3_5",
+    "llama4",  # chunked attention, queries scaled by their index (temperature tuning)
     "smollm3",
     "gpt_neox",
 ]

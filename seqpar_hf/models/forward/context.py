@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.masks import MaskSpec, SeqMeta, check_window
+from ...attention.masks import Chunks, MaskSpec, SeqMeta, check_window
 from ...attention.pattern import Pattern
 from ...parallel.layout import ParallelLayout
 
@@ -34,14 +34,16 @@ class ForwardContext:
         self.full_positions = full_positions  # side -> [b or 1, S_pad] position ids of the whole sequence
         self.local_outputs = local_outputs  # the caller takes this rank's shard of the outputs (else gathered)
         self.ids = ids or {}  # side -> [b, S_pad] full token ids, for padding-aware positions (M2M100)
-        self.patterns: dict[tuple[str, str, bool, int | None], Pattern] = {}
+        self.patterns: dict[tuple[str, str, bool, int | Chunks | None], Pattern] = {}
 
     def plan(self, side: str):
         return self.seqs[side].plan
 
-    def pattern(self, q_side: str, kv_side: str, causal: bool, window) -> Pattern:
-        """The pattern of attention from `q_side` queries to `kv_side` keys, one per kind per forward."""
+    def pattern(self, q_side: str, kv_side: str, causal: bool, window, batch: int = 1, device=None) -> Pattern:
+        """The pattern of attention from `q_side` queries to `kv_side` keys, one per kind per forward.
+        `window`: a sliding window's size, or `Chunks` (each chunk a document of its own; self-attention)."""
         key = (q_side, kv_side, causal, check_window(window, causal))
         if key not in self.patterns:
-            self.patterns[key] = Pattern(MaskSpec(self.seqs[q_side], self.seqs[kv_side], causal, key[3]))
+            q, k = self.seqs[q_side], self.seqs[kv_side]
+            self.patterns[key] = Pattern(MaskSpec.of(q, q if q_side == kv_side else k, causal, key[3], batch, device))
         return self.patterns[key]

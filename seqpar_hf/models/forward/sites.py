@@ -88,7 +88,7 @@ class AttentionSite:
     def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout, mods: ScoreMods = NONE):
         """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        pattern = ctx.pattern(self.q_side, self.kv_side, causal, window)
+        pattern = ctx.pattern(self.q_side, self.kv_side, causal, window, q.shape[0], q.device)
         return dispatch.attend(ctx.layout, pattern, q, k, v, scale, dropout, mods)
 
 

@@ -88,7 +88,8 @@ class DecodeSession:
         device = ctx.positions["decoder"].device
         valid = plan.shard(meta.valid) if meta.valid is not None else None  # [b, S_pad] -> [b, s_loc]
         assert self.cache is not None  # a decoder-only session (prefill_pending)
-        self.cache.begin_prefill(plan.global_index(device=device), valid, plan.length)
+        lead = None if meta.valid is None else (meta.valid.long().cumsum(-1) == 0).sum(-1)  # [b] left padding
+        self.cache.begin_prefill(plan.global_index(device=device), valid, plan.length, lead)
 
     def end_prefill(self) -> None:
         assert self.cache is not None  # a decoder-only session (prefill_pending)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
+from ...attention.masks import Chunks
+
 EVICT_EVERY = 64  # decoding steps between two evictions of out-of-window keys (each copies the layer's shard)
 
 
@@ -44,17 +46,20 @@ class ShardedLayer(CacheLayerMixin):
         self.valid: torch.Tensor | None = None
         self.seen = 0  # global tokens this layer has been given (prompt + generated)
         self.query_index: torch.Tensor | None = None  # [s_q] global indices of the last update's tokens (the queries)
-        self.window: int | None = None  # a sliding-window layer's size, as its attention call gives it
+        self.window: int | Chunks | None = None  # a sliding window's size, or chunks, as its attention call gives it
+        self.lead: torch.Tensor | None = None  # [b] each row's left padding (chunks count from its first real token)
         self.steps = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.is_initialized = key_states.device, True
 
-    def prefill(self, keys, values, index: torch.Tensor, valid: torch.Tensor | None, length: int):
-        """The prompt's local K/V (this rank's tokens, in local order) and their global indices / validity."""
+    def prefill(self, keys, values, index: torch.Tensor, valid: torch.Tensor | None, length: int, lead=None):
+        """The prompt's local K/V (this rank's tokens, in local order) and their global indices / validity;
+        `lead` [b]: each row's left padding (None: none)."""
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.index = keys, values, index
         self.valid = valid.expand(keys.shape[0], -1) if valid is not None else None
+        self.lead = lead.expand(keys.shape[0]) if lead is not None else None
         self.seen = length
         self.query_index = index
         return keys, values
@@ -90,16 +95,21 @@ class ShardedLayer(CacheLayerMixin):
             return None
         q, k = query_index[:, None], index[None, :]
         mask = k <= q
-        if self.window is not None:
+        if isinstance(self.window, Chunks):  # the same chunk, counted from each row's first real token
+            lead = 0 if self.lead is None else self.lead[:, None, None]
+            size = self.window.size
+            same = torch.div(q - lead, size, rounding_mode="floor") == torch.div(k - lead, size, rounding_mode="floor")
+            mask = mask & same
+        elif self.window is not None:
             mask = mask & (q - k < self.window)
-        mask = mask[None, None]  # [1, 1, s_q, n]
+        mask = mask[None, None] if mask.dim() == 2 else mask[:, None]  # [b or 1, 1, s_q, n]
         if self.valid is not None:
             mask = mask & self.valid[:, None, None, :]  # [b, 1, s_q, n]
         return mask
 
-    def set_window(self, window: int | None) -> None:
-        """The layer's sliding window, as its attention module passes it (None: full attention)."""
-        self.window = None if window is None else int(window)
+    def set_window(self, window: int | Chunks | None) -> None:
+        """The layer's sliding window or chunks, as its attention module passes it (None: full attention)."""
+        self.window = window if window is None or isinstance(window, Chunks) else int(window)
 
     def evict(self) -> None:
         """Drop the keys that no later query can see: a query at index >= seen sees only keys with index
@@ -108,7 +118,8 @@ class ShardedLayer(CacheLayerMixin):
         # keys, values and index are set together (the prefill)
         if self.window is None or self.keys is None or self.values is None or self.index is None:
             return
-        keep = self.index > self.seen - self.window  # [n]
+        reach = self.window.size if isinstance(self.window, Chunks) else self.window  # a chunk spans < size keys
+        keep = self.index > self.seen - reach  # [n]
         if not bool(keep.all()):
             pick = keep.nonzero().flatten()
             self.keys, self.values = self.keys.index_select(2, pick), self.values.index_select(2, pick)
@@ -142,6 +153,8 @@ class ShardedLayer(CacheLayerMixin):
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         if self.valid is not None:
             self.valid = self.valid.index_select(0, rows)
+        if self.lead is not None:
+            self.lead = self.lead.index_select(0, rows)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -210,12 +223,12 @@ class SequenceShardedCache(Cache):
                     self.layers.append(states[i])
                 else:
                     self._append()
-        # (index [n], valid [b or 1, n] | None, length) while the prefill runs
-        self._prompt: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
+        # (index [n], valid [b or 1, n] | None, length, left padding [b] | None) while the prefill runs
+        self._prompt: tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None] | None = None
 
-    def begin_prefill(self, index: torch.Tensor, valid: torch.Tensor | None, length: int) -> None:
+    def begin_prefill(self, index: torch.Tensor, valid: torch.Tensor | None, length: int, lead=None) -> None:
         """The sharded prefill forward is about to run: its local tokens sit at these global indices."""
-        self._prompt = (index, valid, length)
+        self._prompt = (index, valid, length, lead)
 
     def end_prefill(self) -> None:
         self._prompt = None
@@ -238,7 +251,11 @@ class SequenceShardedCache(Cache):
         return own if isinstance(own, ShardedLayer) and own.keys is not None else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The global length, read off an attention layer (a mixer's state layer counts no tokens)."""
+        """The global length, read off an attention layer (a mixer's state layer counts no tokens). A layer the
+        prompt's forward has not reached yet has seen none (as transformers' DynamicCache says; a module that
+        counts its queries from there, Llama 4's temperature tuning, must see 0)."""
+        if self._prompt is not None and layer_idx >= len(self.layers):
+            return 0
         sharded = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
         if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], ShardedLayer):
             return self.layers[layer_idx].get_seq_length()
@@ -273,8 +290,13 @@ class SequenceShardedCache(Cache):
         return sum(layer.local_bytes() for layer in self.layers if isinstance(layer, ShardedLayer))
 
 
-def narrower(a: int | None, b: int | None) -> int | None:
-    """The narrower of two sliding windows (None: no window)."""
+def narrower(a, b):
+    """The narrower of two sliding windows (None: no window); chunks of C keep within a window of C."""
+    if isinstance(a, Chunks) or isinstance(b, Chunks):
+        chunks, other = (a, b) if isinstance(a, Chunks) else (b, a)
+        if other is None or isinstance(other, Chunks) and other == chunks or int(other) >= chunks.size:
+            return chunks
+        raise NotImplementedError(f"chunked attention ({chunks.size}) within a narrower sliding window ({other})")
     return b if a is None else a if b is None else min(int(a), int(b))
 
 

@@ -89,8 +89,8 @@ def site_records(calls: list[dict], original: str | None, valid: dict) -> dict:
         if pattern is None:
             raise Refusal(
                 name,
-                f"is given {describe(None)} (e.g. chunked, blockwise or input-dependent masks)",
-                "Use a model whose attention is causal, bidirectional or a sliding window",
+                f"is given {describe(None)} (e.g. blockwise, prefix or input-dependent masks)",
+                "Use a model whose attention is causal, bidirectional, a sliding window or chunked",
             )
         if q_side != kv_side and pattern != (False, None):
             raise Refusal(

@@ -20,8 +20,11 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ... import _compat
-from ...attention.mask_patterns import read_function
+from ...attention.mask_patterns import chunks_follow_padding, read_function
+from ...attention.masks import Chunks
 from ...attention.scores import NONE, ScoreMods, reference
+from ..forward.context import CONTEXT_KWARG
+from . import temperature
 from .signatures import collect
 
 STAND_IN = "seqpar_hf_dry_run"  # the attention implementation a dry run selects
@@ -229,6 +232,9 @@ class Run:
         if not self.full or mask_function is None:
             return None
         pattern = read_function(mask_function)
+        if pattern is not None and isinstance(pattern[1], Chunks):
+            if not chunks_follow_padding(mask_function, pattern[1].size, attention_mask, batch_size):
+                pattern = None  # chunks counted from somewhere the sharded kernels do not count them from
         kwargs = {
             k: v
             for k, v in kwargs.items()
@@ -278,6 +284,9 @@ class Run:
         )
         if q_side is None:  # not along the sequence (e.g. over a token's layers): token-local, run it as is
             return self.original(module, query, key, value, attention_mask, **kwargs)
+        ctx = kwargs.get(CONTEXT_KWARG)
+        if not self.full and ctx is not None:  # a shard run: queries scaled by their index, as sp_attention does
+            query = temperature.on_shard(module, query, ctx.plan(q_side))
         if self.real is not None:
             return softmax_attention(
                 query,

@@ -57,7 +57,8 @@ def _mask(doc, pattern, s: int, device):
     """[b or 1, 1, s, s] bool (None: every pair) of `pattern` (causal, window) within documents `doc`."""
     meta = SeqMeta(ShardPlan.build(s, 1, 0), None, doc)
     index = torch.arange(s, device=device)
-    return MaskSpec(meta, meta, pattern[0], pattern[1]).block_mask(index, index)
+    batch = 1 if doc is None else doc.shape[0]
+    return MaskSpec.of(meta, meta, pattern[0], pattern[1], batch, device).block_mask(index, index)
 
 
 def _flash_documents(kwargs: dict, rows: int) -> torch.Tensor | None:

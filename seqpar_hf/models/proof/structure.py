@@ -1,8 +1,8 @@
 """What a model's config and module tree show before any dry run: attention that spans the whole
-sequence by construction (relative position biases, ALiBi, chunked attention) is refused (soft-capping
-and sinks are honoured, proven per module: proof/score_mods.py); the backbone's position modules and
-layer stacks are found (models/families.py), and position modules that cannot be given global positions
-are refused. Every refusal names the value, why, and the fix.
+sequence by construction (relative position biases, ALiBi) is refused (soft-capping and sinks are honoured,
+proven per module: proof/score_mods.py; queries scaled by their index, proven: proof/temperature.py); the
+backbone's position modules and layer stacks are found (models/families.py), and position modules that cannot
+be given global positions are refused. Every refusal names the value, why, and the fix.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import inspect
 from torch import nn
 
 from ..families import PositionModule
+from . import temperature
 
 
 def _refuse(name: str, why: str, fix: str):
@@ -40,28 +41,19 @@ def check_structure(model: nn.Module, config, name: str) -> None:
             "its attention uses ALiBi or relative-key position biases that span the whole sequence",
             "Use a model with rotary or absolute positions",
         )
-    if getattr(config, "attention_chunk_size", None):
-        _refuse(
-            name,
-            f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported",
-            "Set config.attention_chunk_size = None and every entry of config.layer_types to 'full_attention' to "
-            "train with full attention",
-        )
-    tuned = [
-        n
-        for n, m in model.named_modules()
-        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", False)
-    ]
-    if tuned:  # past the dry run's lengths: it cannot see it (Llama 4's floor_scale is 8192)
-        _refuse(
-            name,
-            f"{tuned[0]} scales its queries by their position counted from 0 in each call (attention temperature "
-            "tuning of its NoPE layers: attn_temperature_tuning=True, "
-            f"floor_scale={getattr(config, 'floor_scale', '?')}), so every "
-            "rank would count its shard from 0 (silently wrong past floor_scale tokens)",
-            "Set config.attn_temperature_tuning = False before building the model (identical below floor_scale "
-            "tokens), or train without sequence parallelism",
-        )
+    for path, module in model.named_modules():
+        if temperature.tuned(module):  # past the dry run's lengths: it cannot see it (Llama 4's floor_scale is 8192)
+            why = temperature.prove(module, config.hidden_size)
+            if why is not None:
+                _refuse(
+                    name,
+                    f"{path} scales its queries by their index counted from 0 in each call (attention temperature "
+                    f"tuning of its NoPE layers: attn_temperature_tuning=True, floor_scale="
+                    f"{getattr(config, 'floor_scale', '?')}), and {why}; every rank would count its shard from 0 "
+                    "(silently wrong past floor_scale tokens)",
+                    "Set config.attn_temperature_tuning = False before building the model (identical below "
+                    "floor_scale tokens), or train without sequence parallelism",
+                )
 
 
 def _positions(backbone: nn.Module, kind: str, name: str, encoder) -> list[PositionModule]:
