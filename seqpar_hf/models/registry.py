@@ -16,7 +16,6 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.mask_patterns import read_function
-from ..attention.scores import ScoreMods
 from .forward.context import CONTEXT_KWARG
 from .forward.sites import resolve, site_of
 from .forward.state import ATTN_DECODE_NAME, ATTN_NAME
@@ -121,7 +120,7 @@ def sp_attention(
             window,
             kwargs,
         )
-    mods = ScoreMods.of(kwargs)  # soft-capping, sinks
+    mods = site.score_mods(ctx, kwargs)  # soft-capping, sinks, a relative position bias
     out = site.attend(ctx, query, key, value, causal, window, scaling, dropout, mods)  # [b, h, s_q/sp, d]
     if site.state.decoding is not None:  # the prompt's forward of generation: trim this layer's cache shard
         decoding.after_prefill_attention(site.state, module, window)

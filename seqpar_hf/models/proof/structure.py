@@ -1,8 +1,8 @@
 """What a model's config and module tree show before any dry run: attention that spans the whole
-sequence by construction (relative position biases, ALiBi, chunked attention) is refused (soft-capping
-and sinks are honoured, proven per module: proof/score_mods.py); the backbone's position modules and
-layer stacks are found (models/families.py), and position modules that cannot be given global positions
-are refused. Every refusal names the value, why, and the fix.
+sequence by construction (relative position biases other than T5's, ALiBi, chunked attention) is
+refused (soft-capping, sinks and T5's bias are honoured, proven: proof/score_mods.py, relative_bias.py);
+the backbone's position modules and layer stacks are found (models/families.py), and position modules
+that cannot be given global positions are refused. Every refusal names the value, why, and the fix.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import inspect
 from torch import nn
 
 from ..families import PositionModule
+from .relative_bias import computes_bias
 
 
 def _refuse(name: str, why: str, fix: str):
@@ -20,10 +21,10 @@ def _refuse(name: str, why: str, fix: str):
 
 def check_structure(model: nn.Module, config, name: str) -> None:
     """Refuse attention that spans the whole sequence by construction, read off the config and the modules."""
-    if (
-        any(hasattr(m, "relative_attention_bias") for m in model.modules())
-        or getattr(config, "relative_attention_num_buckets", None) is not None
-    ):
+    tables = [m for m in model.modules() if hasattr(m, "relative_attention_bias")]
+    if any(not computes_bias(m) for m in tables) or (
+        not tables and getattr(config, "relative_attention_num_buckets", None) is not None
+    ):  # a bias table without T5's compute_bias (proven by distance at the dry run: proof/relative_bias.py)
         _refuse(
             name,
             "its attention adds a relative position bias computed from the whole query-key distance "
