@@ -13,12 +13,14 @@ in a 32-row table (GPT-2), yarn whose original length is shorter than the batch 
 (Marian, BART, M2M100 with padding-aware sinusoidal positions), padding-aware learned positions (RoBERTa), an LM
 forward around its backbone (OPT: its packed rows refused), a window only in the cache (Moshi), a config without
 pad_token_id (CodeGen), a bidirectional sliding-window encoder with soft-capping (T5Gemma), soft-capping (Gemma 2),
-learned sinks (gpt-oss), TP fixes (Apertus, Phi, OLMo), and token mixers (LFM2's short convolution by channel,
-Nemotron-H's and Granite 4's Mamba2 and Qwen3-Next's gated DeltaNet by heads, Jamba's Mamba run whole), and the
-refusals: a mixer under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's ALiBi), relative
-position bias (T5), attention keywords (Inkling, DeepSeek-V3.2, MiniMax-M3), routing capacity (NLLB-MoE), two models
-(EncoderDecoder), global-local attention (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP:
-per-head norms (Cohere), a plan that shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
+learned sinks (gpt-oss), chunked attention and queries scaled by index (Llama 4), a relative position bias and an
+encoder-decoder that runs its own stacks (T5), TP fixes (Apertus, Phi, OLMo), and token mixers (LFM2's short
+convolution by channel, Nemotron-H's and Granite 4's Mamba2 and Qwen3-Next's gated DeltaNet by heads, Jamba's Mamba
+run whole), and the refusals: a mixer under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's
+ALiBi), a relative position bias other than T5's (LongT5), attention keywords (Inkling, DeepSeek-V3.2, MiniMax-M3),
+routing capacity (NLLB-MoE), two models whose decoder makes its own positions (EncoderDecoder), global-local
+attention (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms (Cohere), a plan
+that shards nothing (DiffLlama), per-layer inputs (Gemma 3n); generate under TP.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("gemma2", "Gemma2ForCausalLM", ("ring",), (P, G)),  # soft-capping (0.02: it bites) in the block kernels
     ("gpt_oss", "GptOssForCausalLM", ("ulysses",), ALL),  # learned sinks (a ring of one); packed rows refused
     ("llama4:floor_scale_4", "Llama4ForCausalLM", ("ring",), (P, G)),  # chunks; queries scaled by their index
+    ("t5", "T5ForConditionalGeneration", ("ring",), (P, G)),  # relative position bias; the model runs its stacks
     ("marian:decoder_is_causal_false_eager", "MarianMTModel", ("ulysses", "ring"), (P,)),  # E1: sides from keys
     ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
     ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP
@@ -78,11 +81,11 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named
     ("openai-gpt", "OpenAIGPTLMHeadModel", ("ulysses",), (P,)),  # E5: attention written by hand, named
     ("bloom", "BloomForCausalLM", ("ulysses",), (P,)),
-    ("t5", "T5ForConditionalGeneration", ("ulysses",), (P,)),
     ("cohere:use_qk_norm", "CohereForCausalLM", ("tp2",), (P,)),  # TP: [heads, head_dim] norm weights
     ("diffllama", "DiffLlamaForCausalLM", ("tp2",), (P,)),  # I1: a plan that shards nothing
     ("gemma3n_text", "Gemma3nForCausalLM", ("tp2",), (P,)),  # I3: per-layer inputs
-    ("encoder-decoder", "EncoderDecoderModel", ("ulysses",), (P,)),  # F: two models
+    ("encoder-decoder", "EncoderDecoderModel", ("ulysses",), (P,)),  # F: two models; its BERT decoder's positions
+    ("longt5", "LongT5ForConditionalGeneration", ("ulysses",), (P,)),  # a relative bias other than T5's table
     ("inkling_text", "InklingForCausalLM", ("ulysses",), (P,)),  # D: position_bias=
     ("deepseek_v32", "DeepseekV32ForCausalLM", ("ulysses",), (P,)),  # D: indices=
     ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ("ulysses",), (P,)),  # D: was HUNG
@@ -105,11 +108,11 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("mamba", "ulysses"): f"backbone.layers.0.mixer (MambaMixer) {_CONV}",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence
-    ("t5", "ulysses"): "relative position bias",
+    ("longt5", "ulysses"): "adds a relative position bias other than T5's",
     ("cohere:use_qk_norm", "tp2"): "layers.0.self_attn.q_norm.weight (CohereLayerNorm, one row per attention head",
     ("diffllama", "tp2"): "plan shards no projection",
     ("gemma3n_text", "tp2"): "layers.0 takes per-token inputs besides its hidden states (per_layer_input)",
-    ("encoder-decoder", "ulysses"): "runs attention in several modules it calls itself",
+    ("encoder-decoder", "ulysses"): "decoder.bert.embeddings (BertEmbeddings) mixes information along the sequence",
     ("inkling_text", "ulysses"): "model.layers.0.self_attn (InklingAttention) passes position_bias=",
     ("deepseek_v32", "ulysses"): "model.layers.0.self_attn (DeepseekV32Attention) passes indices=",
     ("minimax_m3_vl_text", "ulysses"): "model.layers.0.self_attn (MiniMaxM3VLAttention) passes block_indices=",

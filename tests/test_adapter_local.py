@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+from transformers import AutoModelForSeq2SeqLM
 
 import seqpar_hf
 from seqpar_hf import _compat
@@ -66,12 +66,18 @@ def test_second_layout_is_refused():
         seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
 
 
-def test_t5_is_refused_with_the_supported_families():
-    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+def test_relative_bias_other_than_t5s_is_refused_naming_the_table():
+    """T5's table by distance is proven and sharded (tests/runs/parity.py); LongT5's local attention gathers its
+    bias otherwise (no compute_bias by distance): refused, naming the module and the families that work."""
+    from conformance.tiny import build_tiny
+
+    model = build_tiny("longt5", "LongT5ForConditionalGeneration")[0]
     with pytest.raises(
-        ValueError, match="T5ForConditionalGeneration.*relative position bias.*rotary or absolute positions"
+        ValueError,
+        match=r"LongT5ForConditionalGeneration: encoder.block.0.layer.0.LocalSelfAttention \(LongT5LocalAttention\) "
+        r"adds a relative position bias other than T5's.*T5, mT5, UMT5 and Switch Transformers work",
     ):
-        seqpar_hf.patch_model(t5, seqpar_hf.ParallelLayout(sp_size=1))
+        seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
 
 
 @pytest.mark.parametrize("family", ["marian", "llama"])

@@ -58,10 +58,11 @@ def _model(model_type: str, class_name: str):
         ("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM", ["(MiniMaxM3VLAttention) passes block_indices=", FIX]),
         ("inkling_text", "InklingForCausalLM", ["model.layers.0.self_attn (InklingAttention) passes position_bias="]),
         ("doge", "DogeForCausalLM", ["model.layers.0.self_attn (DogeAttention) is given a pattern other than causal"]),
+        # two models in one forward: sharded as one (the model itself its backbone), its BERT decoder's positions not
         (
             "encoder-decoder",
             "EncoderDecoderModel",
-            ["several modules it calls itself", "decoder (BertLMHeadModel)", "encoder (BertModel)"],
+            ["decoder.bert.embeddings (BertEmbeddings) mixes information along the sequence"],
         ),
         ("whisper", "WhisperForCausalLM", ["against the label at the same position (no shift)", "lm_loss=False"]),
         (

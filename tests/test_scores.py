@@ -26,27 +26,41 @@ def _inputs(g, b=2, h=4, h_kv=2, s=9, d=16, d_v=16):
 
 def _one_block(s, allowed):
     """The ring plan of a ring of one (Ulysses with score modifiers): one block, the whole sequence."""
-    block = Block(slice(0, s), slice(0, s), False, allowed, None if allowed is None else allowed.any(-1))
+    block = Block(
+        slice(0, s),
+        slice(0, s),
+        False,
+        allowed,
+        None if allowed is None else allowed.any(-1),
+        torch.arange(s),
+        torch.arange(s),
+    )
     return RingPlan(None, (0,), 0, [block])
 
 
-@pytest.mark.parametrize("softcap,sinks", [(1.0, False), (None, True), (0.5, True)])
-def test_block_kernels_with_cap_and_sinks_equal_plain_attention(softcap, sinks):
+@pytest.mark.parametrize(
+    "softcap,sinks,relative", [(1.0, False, False), (None, True, False), (0.5, True, False), (None, False, True)]
+)
+def test_block_kernels_with_cap_sinks_and_bias_equal_plain_attention(softcap, sinks, relative):
     g = torch.Generator().manual_seed(0)
     b, h, h_kv, s = 2, 4, 2, 9
     q, k, v = _inputs(g, b, h, h_kv, s)
     sink = torch.randn(h, generator=g) if sinks else None
+    table = torch.randn(h, 2 * s - 1, generator=g) if relative else None  # by distance, center s - 1
     allowed = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).clone()
     allowed[1, :, :, :3] = False  # row 1: three padding keys
     allowed[1, :, :3, :] = False  # ... and three queries that see no key (padding): output 0
     dout = torch.randn(b, h, s, 16, generator=g)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sink.clone().requires_grad_()] if sinks else [])
-    mods = ScoreMods(softcap, leaves[3] if sinks else None)
+    extra = sink if sinks else table
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)] + (
+        [extra.clone().requires_grad_()] if sinks or relative else []
+    )
+    mods = ScoreMods(softcap, leaves[3] if sinks else None, leaves[3] if relative else None, s - 1)
     got = ring_attention(*leaves[:3], _one_block(s, allowed), 16**-0.5, tuple(i // 2 for i in range(h)), mods)
     got.backward(dout)
     ref = [x.detach().double().requires_grad_() for x in leaves]
     index = torch.arange(h) // 2
-    ref_mods = ScoreMods(softcap, ref[3] if sinks else None)
+    ref_mods = ScoreMods(softcap, ref[3] if sinks else None, ref[3] if relative else None, s - 1)
     want = reference(ref[0], ref[1][:, index], ref[2][:, index], allowed, 16**-0.5, ref_mods)
     want.backward(dout.double())
     assert relative_error(got, want) < 1e-5

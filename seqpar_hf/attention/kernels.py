@@ -234,10 +234,11 @@ def _one_width(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in xs]  # [.., d] -> [.., width]
 
 
-def block_forward(q, k, v, bias, causal: bool, scale: float, softcap: float | None = None):
-    ops = None if softcap is not None else _fused(q)  # no fused kernel caps its scores
+def block_forward(q, k, v, bias, causal: bool, scale: float, softcap: float | None = None, relative=None):
+    """`relative` [1, h, s_q, s_k]: a learned additive bias (its gradient: `block_backward`'s fourth output)."""
+    ops = None if softcap is not None or relative is not None else _fused(q)  # no fused kernel caps or learns
     if ops is None:
-        return math_forward(q, k, v, bias, causal, scale, softcap)
+        return math_forward(q, k, v, bias, causal, scale, softcap, relative)
     if q.device.type == "cpu":
         out, lse = ops[0](*_one_width(q, k, v), 0.0, causal, attn_mask=bias, scale=scale)
         return out[..., : v.shape[-1]], lse
@@ -246,10 +247,11 @@ def block_forward(q, k, v, bias, causal: bool, scale: float, softcap: float | No
     return out, lse[..., : q.shape[2]].to(accumulation_dtype(q.dtype))
 
 
-def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float, softcap: float | None = None):
-    ops = None if softcap is not None else _fused(q)
+def block_backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float, softcap=None, relative=None):
+    """(dq, dk, dv) and, with `relative`, its gradient [h, s_q, s_k] (summed over the batch)."""
+    ops = None if softcap is not None or relative is not None else _fused(q)
     if ops is None:
-        return math_backward(dout, q, k, v, out, lse, bias, causal, scale, softcap)
+        return math_backward(dout, q, k, v, out, lse, bias, causal, scale, softcap, relative)
     if q.device.type == "cpu":
         d, d_v = q.shape[-1], v.shape[-1]
         dout, q, k, v, out = _one_width(dout, q, k, v, out)
@@ -274,7 +276,7 @@ def _row_chunks(q, k) -> list[slice]:
     return [slice(i, min(i + rows, q.shape[2])) for i in range(0, q.shape[2], rows)]
 
 
-def _scores(q, k, bias, causal, scale, softcap, row0: int):
+def _scores(q, k, bias, causal, scale, softcap, row0: int, relative=None):
     """Scores [b, h, rows, s_k] in the accumulation dtype of query rows row0.. (q holds only those), and
     tanh(raw / softcap) (None without a cap) for the backward: soft-capping applies before the mask, as the
     models do; `causal`: key j is seen by query row i when j <= i (the blocks' top-left alignment)."""
@@ -284,6 +286,8 @@ def _scores(q, k, bias, causal, scale, softcap, row0: int):
     if softcap is not None:
         tanh = torch.tanh(s / softcap)
         s = tanh * softcap
+    if relative is not None:
+        s = s + relative.to(t)
     if bias is not None:
         s = s + bias.to(t)
     if causal:
@@ -296,32 +300,36 @@ def _rows(bias, rows: slice):
     return None if bias is None else bias[..., rows, :]
 
 
-def math_forward(q, k, v, bias, causal, scale, softcap=None):
+def math_forward(q, k, v, bias, causal, scale, softcap=None, relative=None):
     outs, lses = [], []
     for rows in _row_chunks(q, k):
-        s, _ = _scores(q[:, :, rows], k, _rows(bias, rows), causal, scale, softcap, rows.start)
+        s, _ = _scores(q[:, :, rows], k, _rows(bias, rows), causal, scale, softcap, rows.start, _rows(relative, rows))
         lse = torch.logsumexp(s, dim=-1).nan_to_num(neginf=0.0)  # [b, h, rows]
         outs.append(torch.matmul(torch.exp(s - lse[..., None]), v.to(s.dtype)).to(q.dtype))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def math_backward(dout, q, k, v, out, lse, bias, causal, scale, softcap=None):
+def math_backward(dout, q, k, v, out, lse, bias, causal, scale, softcap=None, relative=None):
     t = accumulation_dtype(q.dtype)
     dqs, dk, dv = [], torch.zeros(k.shape, dtype=t, device=k.device), torch.zeros(v.shape, dtype=t, device=v.device)
+    drel = []
     for rows in _row_chunks(q, k):
         qr = q[:, :, rows]
-        s, tanh = _scores(qr, k, _rows(bias, rows), causal, scale, softcap, rows.start)
+        s, tanh = _scores(qr, k, _rows(bias, rows), causal, scale, softcap, rows.start, _rows(relative, rows))
         p = torch.exp(s - lse[:, :, rows].to(t)[..., None])  # [b, h, rows, s_k]
         do = dout[:, :, rows].to(t)
         dv += torch.matmul(p.transpose(-1, -2), do)
         dp = torch.matmul(do, v.to(t).transpose(-1, -2))
         ds = p * (dp - (do * out[:, :, rows].to(t)).sum(-1, keepdim=True))
+        if relative is not None:  # added after the cap: its gradient is the capped score's
+            drel.append(ds.sum(0))
         if tanh is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
             ds = ds * (1 - tanh * tanh)
         dqs.append(torch.matmul(ds, k.to(t)) * scale)
         dk += torch.matmul(ds.transpose(-1, -2), qr.to(t)) * scale
-    return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return grads if relative is None else (*grads, torch.cat(drel, dim=1))
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):

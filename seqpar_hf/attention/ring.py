@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .kernels import accumulation_dtype, block_backward, block_forward, merge
 from .masks import MaskSpec
-from .scores import NONE, ScoreMods, sink_grad, with_sinks
+from .scores import NONE, ScoreMods, distance_index, relative_block, sink_grad, with_sinks
 
 
 @dataclass
@@ -36,7 +36,10 @@ class Block:
     causal: bool  # the kernel's own causal flag (the diagonal block of a zigzag causal ring)
     allowed: torch.Tensor | None  # [b, 1, rows, cols] bool, None: every pair
     valid_rows: torch.Tensor | None = None  # [b, 1, rows]: False where a query sees no key in this block
+    q_idx: torch.Tensor | None = None  # [rows] global indices of the block's queries
+    k_idx: torch.Tensor | None = None  # [cols] ... and of its keys
     _bias: dict | None = None
+    _distance: dict | None = None
 
     def bias(self, dtype) -> torch.Tensor | None:
         """Additive 0 / -inf bias for the kernels, per dtype, made once."""
@@ -48,6 +51,14 @@ class Block:
                 ~self.allowed, float("-inf")
             )
         return self._bias[dtype]
+
+    def distance(self, center: int) -> torch.Tensor:
+        """[rows, cols] entries of a by-distance bias table (relative position bias), made once."""
+        self._distance = self._distance or {}
+        if center not in self._distance:
+            assert self.q_idx is not None and self.k_idx is not None  # set by RingPlan.build
+            self._distance[center] = distance_index(center, self.q_idx, self.k_idx)
+        return self._distance[center]
 
 
 @dataclass
@@ -111,7 +122,7 @@ class RingPlan:
             if allowed is not None:
                 allowed = allowed.expand(allowed.shape[0], 1, q_idx.numel(), k_idx.numel())
                 valid_rows = allowed.any(-1)  # [b, 1, rows]
-            blocks.append(Block(rows, cols, causal, allowed, valid_rows))
+            blocks.append(Block(rows, cols, causal, allowed, valid_rows, q_idx, k_idx))
         return cls(group, tuple(ranks), index, blocks)
 
 
@@ -170,7 +181,7 @@ def _reduce(dx: torch.Tensor, kv_index, heads_kv: int) -> torch.Tensor:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: RingPlan, scale: float, kv_index, softcap):
+    def forward(ctx, q, k, v, sinks, relative, plan: RingPlan, scale: float, kv_index, softcap, center):
         n, ring = len(plan.ranks), Ring(plan)
         b, h, s_q, _ = q.shape
         acc_dtype = accumulation_dtype(q.dtype)
@@ -192,6 +203,7 @@ class RingAttention(torch.autograd.Function):
                     block.causal,
                     scale,
                     softcap,
+                    None if relative is None else relative_block(relative, block.distance(center)),
                 )
                 if block.valid_rows is not None:  # kernels report lse 0 for rows that saw no key: make it -inf
                     block_lse = block_lse.masked_fill(~block.valid_rows, float("-inf"))
@@ -204,14 +216,19 @@ class RingAttention(torch.autograd.Function):
         # output projection's saved input shares this storage instead of keeping a second copy
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that saw no key at all: grads are 0 anyway
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.plan, ctx.scale, ctx.kv_index, ctx.softcap = plan, scale, kv_index, softcap
+        ctx.save_for_backward(q, k, v, out, lse, sinks, relative)
+        ctx.plan, ctx.scale, ctx.kv_index, ctx.softcap, ctx.center = plan, scale, kv_index, softcap, center
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        plan, scale, kv_index, softcap = ctx.plan, ctx.scale, ctx.kv_index, ctx.softcap
+        q, k, v, out, lse, sinks, relative = ctx.saved_tensors
+        plan, scale, kv_index, softcap, center = ctx.plan, ctx.scale, ctx.kv_index, ctx.softcap, ctx.center
+        drelative = (
+            None
+            if relative is None
+            else torch.zeros(relative.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
+        )
         n, ring = len(plan.ranks), Ring(plan)
         heads_kv = k.shape[1]
         dout = dout.contiguous()
@@ -226,7 +243,7 @@ class RingAttention(torch.autograd.Function):
                 rows, cols = block.rows, block.cols
                 k_held, v_held = _unpack(kv, k.shape, v.shape)
                 kb, vb = _expand(k_held[:, :, cols], kv_index), _expand(v_held[:, :, cols], kv_index)
-                dq_b, dk_b, dv_b = block_backward(
+                grads = block_backward(
                     dout[:, :, rows],
                     q[:, :, rows].contiguous(),
                     kb.contiguous(),
@@ -237,7 +254,12 @@ class RingAttention(torch.autograd.Function):
                     block.causal,
                     scale,
                     softcap,
+                    None if relative is None else relative_block(relative, block.distance(center)),
                 )
+                dq_b, dk_b, dv_b = grads[:3]
+                if drelative is not None:  # the block's score gradient, summed by distance into the table
+                    index = block.distance(center).reshape(-1)
+                    drelative.index_add_(1, index, grads[3].reshape(relative.shape[0], -1).to(drelative.dtype))
                 dq[:, :, rows] += dq_b.to(acc_dtype)
             # the accumulator of this block travelled during the kernel above; waiting for it only now keeps
             # that transfer in flight while the kernel runs (the same additions, in the same order)
@@ -256,7 +278,9 @@ class RingAttention(torch.autograd.Function):
         dk, dv = _unpack(Ring.wait(carried), k.shape, v.shape)  # our own block's gradient, home after a full turn
         # blocks taken with the final lse (sinks in it) are the sink-augmented softmax's backward already
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+        if drelative is not None:
+            drelative = drelative.to(relative.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, drelative, None, None, None, None, None
 
 
 def ring_attention(
@@ -272,5 +296,14 @@ def ring_attention(
     `mods`: soft-capping and sinks for these h query heads."""
     kv_index = plan.kv_index(kv_for_q, q.device)
     return RingAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), mods.sinks, plan, scale, kv_index, mods.softcap
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        mods.sinks,
+        mods.relative,
+        plan,
+        scale,
+        kv_index,
+        mods.softcap,
+        mods.center,
     )

@@ -20,6 +20,8 @@ class AttentionModule:
     heads: int
     kv_heads: int
     pattern: tuple | None = None  # (causal, window) the unpatched model computes, proven at patch time
+    # position_bias= it is given (proof/relative_bias.py): ("zero",) or ("relative", owner module, owner's side)
+    bias: tuple | None = None
 
 
 @dataclass

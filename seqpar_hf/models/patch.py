@@ -27,6 +27,7 @@ from .families import ModelFamily
 from .forward import positions
 from .forward.forwards import BackboneForward, LMForward, Wrapper
 from .forward.loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
+from .forward.relative_bias import BiasSource
 from .forward.sites import AttentionSite, LocalSite, set_site
 from .forward.state import ATTN_NAME, PatchState, TiledLoss, attach, detach, state_of
 from .generation.generate import GenerateSP
@@ -114,6 +115,11 @@ def patch_model(
     if tp > 1:
         tensor_parallel.check(family, layout)
         tp_checks.check(family, layout)
+        if any(site.bias is not None and site.bias[0] == "relative" for site in family.attention):
+            raise ValueError(
+                f"tp_size={tp}: {type(model).__name__}'s relative position bias is one table for all heads, which "
+                "tensor parallelism would shard by head; use tp_size=1 (Ulysses, ring or hybrid)"
+            )
     for site in family.attention:  # refuse head counts Ulysses cannot split (TP's share), before any forward
         split_heads(site.heads // tp, site.kv_heads // tp, layout.ulysses_size)
     register()
@@ -131,7 +137,9 @@ def patch_model(
     )
     for site in family.attention:
         assert site.q_side is not None and site.kv_side is not None  # along a sequence (else in local_attention)
-        set_site(site.module, AttentionSite(state, site.name, site.q_side, site.kv_side, site.pattern))
+        set_site(site.module, AttentionSite(state, site.name, site.q_side, site.kv_side, site.pattern, site.bias))
+    for owner in {id(s.bias[1]): s.bias[1] for s in family.attention if s.bias and s.bias[0] == "relative"}.values():
+        _replace(state, owner, "compute_bias", BiasSource(state, owner.compute_bias))  # relative position biases
     for site in family.local_attention:
         set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)

@@ -17,7 +17,6 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.mask_patterns import chunks_follow_padding, read_function
 from ..attention.masks import Chunks
-from ..attention.scores import ScoreMods
 from .forward.context import CONTEXT_KWARG
 from .forward.sites import resolve, site_of
 from .forward.state import ATTN_DECODE_NAME, ATTN_NAME
@@ -129,7 +128,7 @@ def sp_attention(
             kwargs,
         )
     query = temperature.on_shard(module, query, ctx.plan(site.q_side))  # queries scaled by their index
-    mods = ScoreMods.of(kwargs)  # soft-capping, sinks
+    mods = site.score_mods(ctx, kwargs)  # soft-capping, sinks, a relative position bias
     out = site.attend(ctx, query, key, value, causal, window, scaling, dropout, mods)  # [b, h, s_q/sp, d]
     if site.state.decoding is not None:  # the prompt's forward of generation: trim this layer's cache shard
         decoding.after_prefill_attention(site.state, module, window)

@@ -56,6 +56,23 @@ def seq2seq_config(family: str, heads: int = 4, d_model: int = 24, layers: int =
     if family == "m2m100":
         common.pop("forced_eos_token_id", None)
         return M2M100Config(bos_token_id=1, **common)
+    if family == "t5":  # relative position bias (buckets up to 16 apart), encoder and decoder run by the model itself
+        t5 = dict(
+            vocab_size=VOCAB,
+            d_model=d_model,
+            d_kv=d_model // heads,
+            d_ff=40,
+            num_layers=layers,
+            num_heads=heads,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
+        )
+        t5.update({k: v for k, v in overrides.items() if k != "init_std"})
+        return transformers.T5Config(**t5)
     raise ValueError(family)
 
 
@@ -243,12 +260,13 @@ MODEL_CLASSES = {
     "mbart": MBartForConditionalGeneration,
     "pegasus": PegasusForConditionalGeneration,
     "m2m100": M2M100ForConditionalGeneration,
+    "t5": transformers.T5ForConditionalGeneration,
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     **{name: getattr(transformers, extra["model"]) for name, extra in CAUSAL_EXTRA.items()},
 }
-SEQ2SEQ = ("marian", "bart", "mbart", "pegasus", "m2m100")
+SEQ2SEQ = ("marian", "bart", "mbart", "pegasus", "m2m100", "t5")
 
 
 def build_model(family: str, seed: int = 0, **config_kwargs):

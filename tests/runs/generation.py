@@ -178,6 +178,7 @@ def _cases(world: int) -> list[dict]:
             # chunks of 4 counted past each prompt's left padding, in the prompt and in the decoding steps; queries
             # scaled by their index (temperature tuning from index 3)
             dict(base, name="ring-llama4-chunks-beam4", family="llama4", mode="ring", beams=4, new=10, windowed=True),
+            dict(base, name="ulysses-t5-beam4", family="t5", beams=4),  # relative position bias in the decoding steps
         ]
     base = dict(sp=4)
     return [

@@ -161,6 +161,7 @@ def _cases(sp: int, modes) -> list[dict]:
             dict(base, name=f"{tag}-marian-many-pairs", family="marian", many=True),
             # chunks of 4 counted from each document's start (position 0), cut by the documents
             dict(base, name=f"{tag}-llama4-chunks-many-documents", family="llama4", many=True),
+            dict(base, name=f"{tag}-t5", family="t5"),  # relative position bias by distance within each pair
             dict(base, name=f"{tag}-mbart-decoder-inputs-from-labels", family="mbart", model_decoder_inputs=True),
             # OPT does not keep documents apart: with an attention_mask its rows run as it runs them
             # (restarting learned positions, sharded), without one they are refused

@@ -69,7 +69,7 @@ def run_case(case: dict) -> dict:
     if case.get("eval"):
         model.eval(), reference.eval()
         inputs = {k: v for k, v in mine.items() if k != "labels"}
-        if family in ("marian", "bart", "mbart", "pegasus"):
+        if family in ("marian", "bart", "mbart", "pegasus", "t5"):
             inputs["decoder_input_ids"] = reference.prepare_decoder_input_ids_from_labels(mine["labels"])
         with torch.no_grad():
             out = model(**inputs)
@@ -137,6 +137,7 @@ NEW_FAMILIES = [
     "olmo2",
     "qwen3_5",
     "llama4",  # chunked attention, queries scaled by their index (temperature tuning)
+    "t5",  # relative position bias; the model runs its encoder and decoder stacks itself
     "smollm3",
     "gpt_neox",
 ]

@@ -63,8 +63,9 @@ def make_trainer(
     train_size: int = 48,
     eval_size: int = 13,
     tp: int = 1,
+    family: str = "marian",
 ):
-    """A tiny Marian and its trainer: `steps` steps, evaluating every 3, logging every step.
+    """A tiny Marian (or `family`) and its trainer: `steps` steps, evaluating every 3, logging every step.
 
     sp=0: the plain transformers Seq2SeqTrainer (the reference, one process). Otherwise
     SequenceParallelTrainer with `batch` per device and `accumulation` steps.
@@ -73,7 +74,7 @@ def make_trainer(
         # accelerate's Accelerator leaves ACCELERATE_USE_FSDP=true behind after an FSDP run; a later
         # trainer in this process would read it as a request for FSDP
         os.environ.pop("ACCELERATE_USE_FSDP", None)
-    model = build_model("marian", heads=4)
+    model = build_model(family, heads=4)
     train, evaluation = synthetic_dataset(train_size, seed=1), synthetic_dataset(eval_size, seed=2)
     common = dict(
         output_dir=output_dir or tempfile.mkdtemp(),
@@ -237,6 +238,7 @@ def tp_generation_check() -> dict:
 # (13 eval examples: the last global batch is partial). Label smoothing is checked once (sp2-ls).
 SETUPS = {
     "sp2": (2, dict(sp=2, batch=8)),
+    "sp2-t5": (2, dict(sp=2, batch=8, family="t5")),  # relative position bias, the model's own two stacks
     "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
     "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)),
     "tp2": (2, dict(sp=1, tp=2, batch=8)),

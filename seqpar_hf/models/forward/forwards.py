@@ -38,6 +38,7 @@ from .state import PatchState, Request
 
 _INCREMENTAL = ("cache", "past_key_values", "encoder_outputs")
 _SEQUENCE_OUTPUTS = (
+    "logits",  # a model that is its own backbone (T5: its stacks and head in one forward)
     "last_hidden_state",
     "hidden_states",
     "decoder_hidden_states",
@@ -51,7 +52,9 @@ class Wrapper:
 
     def __init__(self, state: PatchState, original):
         self.state, self.original = state, original
-        functools.update_wrapper(self, original)  # type: ignore[arg-type]  # the subclasses are the callables
+        # not its __dict__: a wrapper over a wrapper (the LM forward over the backbone's, when the model is its own
+        # backbone) would take the inner one's state and original
+        functools.update_wrapper(self, original, updated=())  # type: ignore[arg-type]  # subclasses are callables
         params = inspect.signature(original).parameters
         self.parameters = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())

@@ -13,6 +13,7 @@ from ...attention import dispatch
 from ...attention.scores import KEYWORDS as SCORE_KEYWORDS
 from ...attention.scores import NONE, ScoreMods
 from .context import CONTEXT_KWARG, ForwardContext
+from .relative_bias import RelativeBias
 
 _SITE = "_seqpar_site"  # on each patched attention module
 HONOURED = ("dropout", "scaling", *SCORE_KEYWORDS)  # soft-capping and sinks: proven at patch time (score_mods.py)
@@ -66,7 +67,7 @@ def keyword_error(site_name: str, names: list[str]) -> str:
 def resolve(site, module, is_causal, sliding_window, kwargs: dict) -> tuple[bool, int | None]:
     """At run time: (causal, window) of this call; raises on keywords the sharded attention drops (the
     same on every rank: every rank makes the same call)."""
-    bad = unsupported(kwargs)
+    bad = [k for k in unsupported(kwargs) if not (k == "position_bias" and getattr(site, "bias", None) is not None)]
     if bad:
         raise NotImplementedError(keyword_error(site.name, bad))
     pattern = getattr(site, "pattern", None)
@@ -82,8 +83,26 @@ class AttentionSite:
 
     local = False  # LocalSite: token-local calls that run as they are
 
-    def __init__(self, state, name: str, q_side: str, kv_side: str, pattern: tuple | None = None):
+    def __init__(
+        self, state, name: str, q_side: str, kv_side: str, pattern: tuple | None = None, bias: tuple | None = None
+    ):
         self.state, self.name, self.q_side, self.kv_side, self.pattern = state, name, q_side, kv_side, pattern
+        self.bias = bias  # the position_bias= proven at patch time: ("zero",), ("relative", owner, side) or None
+
+    def score_mods(self, ctx: ForwardContext, kwargs: dict) -> ScoreMods:
+        """Soft-capping, sinks and a relative position bias of this call (a zero bias is no bias)."""
+        mods = ScoreMods.of(kwargs)
+        if self.bias is None or self.bias[0] == "zero":
+            return mods
+        marker = kwargs.get("position_bias")
+        if not isinstance(marker, RelativeBias):
+            raise RuntimeError(
+                f"seqpar_hf: {self.name} was given a position_bias tensor, not the relative position bias of its owner "
+                f"({type(self.bias[1]).__name__}) made for the whole sequence: something computed the bias outside "
+                "the patched model's forward; call the patched model itself"
+            )
+        table, center = marker.table(ctx, self.q_side)
+        return ScoreMods(mods.softcap, mods.sinks, table, center)
 
     def attend(self, ctx: ForwardContext, q, k, v, causal: bool, window, scale, dropout, mods: ScoreMods = NONE):
         """q [b, h, s_q/sp, d], k/v [b, h_kv, s_k/sp, d] -> [b, h, s_q/sp, d]."""

@@ -159,6 +159,11 @@ def attend(
             extra["sliding_window"] = sliding_window
         function = _compat.original_attention_function(module, implementation)
         return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra)
+    if site.bias is not None and site.bias[0] == "relative":
+        raise NotImplementedError(
+            f"generate under sequence parallelism: {site.name} adds a relative position bias to a decoder-only "
+            "model's cached keys; generate without SP (`with seqpar_hf.sp_disabled(model):`)"
+        )
     layer = step.cache.reader(module.layer_idx, key, window)  # this rank's shard of the KV cache (or the one it shares)
     out = decode.attention(query, key, value, layer.allowed(), scale, group, ScoreMods.of(kwargs))  # [b, h, s_q, d]
     return out.transpose(1, 2), None

@@ -266,4 +266,7 @@ def _encode(state: PatchState, kwargs: dict, device):
         inputs[CONTEXT_KWARG] = ctx
     with state.running(ctx):
         out = encoder(**inputs, return_dict=True)
-    return BaseModelOutput(last_hidden_state=out.last_hidden_state), ctx.plan("encoder")
+    # the encoder's own output type (its other fields None: per-rank shards no caller may read, as Switch's
+    # router logits), so that a model reading such a field of its encoder_outputs finds it
+    kind = type(out) if "last_hidden_state" in getattr(type(out), "__dataclass_fields__", {}) else BaseModelOutput
+    return kind(last_hidden_state=out.last_hidden_state), ctx.plan("encoder")

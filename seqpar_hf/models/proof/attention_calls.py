@@ -59,9 +59,11 @@ def call_pattern(call: dict, original: str | None, valid: dict) -> tuple | None:
     return False, None  # eager without a mask attends to every key
 
 
-def site_records(calls: list[dict], original: str | None, valid: dict) -> dict:
+def site_records(calls: list[dict], original: str | None, valid: dict, biases: dict | None = None) -> dict:
     """module path -> (q_side, kv_side, pattern, heads, kv_heads) for sequence sites, or "local" for
-    token-local calls; Refusal for what the sharded attention cannot reproduce."""
+    token-local calls; Refusal for what the sharded attention cannot reproduce. `biases`: the modules whose
+    `position_bias=` is proven (proof/relative_bias.py)."""
+    biases = biases or {}
     by_module: dict[str, list[dict]] = {}
     for call in calls:
         by_module.setdefault(call["module"], []).append(call)
@@ -73,7 +75,9 @@ def site_records(calls: list[dict], original: str | None, valid: dict) -> dict:
             continue
         if any(local):
             raise Refusal(name, "calls the attention function both along the sequence and across something else")
-        bad = sorted({k for c in group for k in unsupported(c["kwargs"])})
+        bad = sorted(
+            {k for c in group for k in unsupported(c["kwargs"]) if not (k == "position_bias" and name in biases)}
+        )
         if bad:
             raise Refusal(name, keyword_why(bad))
         if any(c["kv_side"] is None for c in group):

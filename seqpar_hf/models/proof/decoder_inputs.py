@@ -21,13 +21,17 @@ from ..forward.labels import IGNORE_INDEX, decoder_inputs
 
 def _captured(pretrained, backbone, batch: dict, labels: torch.Tensor, original: str | None) -> torch.Tensor | None:
     seen: dict = {}
-    names = list(inspect.signature(backbone.forward).parameters)
+    # what the model hands its backbone, or (a model that runs its stacks itself, as T5) its decoder stack
+    target, key = (backbone, "decoder_input_ids")
+    if backbone is pretrained:
+        target, key = pretrained.get_decoder(), "input_ids"
+    names = list(inspect.signature(target.forward).parameters)
 
     def hook(module, args, kwargs):
         named = {**dict(zip(names, args)), **kwargs}
-        seen["ids"] = named.get("decoder_input_ids")
+        seen["ids"] = named.get(key)
 
-    handle = backbone.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
     current = _compat.attn_implementation(pretrained.config)  # the dry run's stand-in: the model's own instead
     try:
         pretrained.set_attn_implementation(original or "sdpa")

@@ -206,6 +206,11 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
     if holding:
         return holding[0][0], holding[0]
     with_attention = sorted({t[0] for t in top if any(a.startswith(t[0] + ".") for a in attention)})
+    encoder, decoder = _stacks(pretrained)
+    if sorted(with_attention) == sorted(n for n in (encoder, decoder) if n is not None):
+        # an encoder-decoder LM that runs its two stacks itself (T5): the model's own forward is where the
+        # sequences are sharded; its head runs on the decoder's shard (token-local), its loss is replaced
+        return "", None
     if len(with_attention) > 1:
         listed = ", ".join(f"{n} ({type(pretrained.get_submodule(n)).__name__})" for n in with_attention)
         raise Refusal(
@@ -225,6 +230,20 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
         "calls no module that embeds its tokens and attends through transformers' AttentionInterface",
         "Use a model whose attention does",
     )
+
+
+def _stacks(pretrained) -> tuple[str | None, str | None]:
+    """The paths of the encoder and decoder stacks an encoder-decoder LM runs itself (None: not such a model)."""
+    names = {m: n for n, m in pretrained.named_modules()}
+    found = []
+    for getter in ("get_encoder", "get_decoder"):
+        fn = getattr(pretrained, getter, None)
+        try:
+            module = fn() if callable(fn) else None
+        except Exception:  # noqa: BLE001 - a getter that does not apply: no stack
+            module = None
+        found.append(names.get(module) if module is not None and module is not pretrained else None)
+    return found[0], found[1]
 
 
 def shard_check(

@@ -17,7 +17,7 @@ from ..families import AttentionModule, ModelFamily
 from ..forward.default_positions import RULES, compute
 from ..forward.sites import original_function
 from ..tp.tp_checks import layer_inputs
-from . import decoder_inputs, dryrun, packed_probe, probe, score_mods
+from . import decoder_inputs, dryrun, packed_probe, probe, relative_bias, score_mods
 from .attention_calls import site_records
 from .probe_checks import Refusal, post_processing, tolerance
 from .signatures import error
@@ -31,7 +31,7 @@ def _valid(batch: dict, kind: str) -> dict:
     return {"encoder": batch["attention_mask"].bool(), "decoder": torch.ones_like(batch["decoder_input_ids"]).bool()}
 
 
-def _sites(records: dict, observed, pretrained) -> tuple[list[AttentionModule], list[AttentionModule]]:
+def _sites(records: dict, observed, pretrained, biases: dict) -> tuple[list[AttentionModule], list[AttentionModule]]:
     prefix = observed.backbone_name
     sequence, local = [], []
     for path, record in records.items():
@@ -46,7 +46,10 @@ def _sites(records: dict, observed, pretrained) -> tuple[list[AttentionModule], 
                 path, f"attends outside the backbone the forward runs ({prefix}), where the sequence is not sharded"
             )
         q_side, kv_side, pattern, heads, kv_heads = record
-        sequence.append(AttentionModule(name, module, q_side, kv_side, heads, kv_heads, pattern))
+        bias = biases.get(path)
+        if bias is not None and bias[0] == "relative":  # the owner, as the module itself (paths move with prefixes)
+            bias = ("relative", pretrained.get_submodule(bias[1]), bias[2])
+        sequence.append(AttentionModule(name, module, q_side, kv_side, heads, kv_heads, pattern, bias))
     return sequence, local
 
 
@@ -117,9 +120,10 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         observed = probe.observe(pretrained, kind, pad_id, original, guess)
         backbone = observed.backbone
         _, batch, _, _ = observed.full
-        records = site_records(observed.calls, original, _valid(batch, kind))
+        biases = relative_bias.classify(pretrained, observed.calls)
+        records = site_records(observed.calls, original, _valid(batch, kind), biases)
         score_mods.check(pretrained, observed.calls, original)
-        attention, local = _sites(records, observed, pretrained)
+        attention, local = _sites(records, observed, pretrained, biases)
         _check_loss(observed.loss_convention, kind)
         positions, stacks = structure(pretrained, kind, backbone)
         no_positions = kind == "causal" and "position_ids" not in inspect.signature(backbone.forward).parameters
@@ -157,7 +161,7 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         packed = packed_probe.check(pretrained, observed, records, original) if kind == "causal" else {}
         decoder_ids = (
             decoder_inputs.read(pretrained, backbone, batch, original)
-            if kind == "seq2seq" and backbone is not pretrained and observed.head_logits is not None
+            if kind == "seq2seq" and observed.head_logits is not None
             else None
         )
     family = ModelFamily(
@@ -165,7 +169,8 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         pretrained,
         # the model itself or the base model it calls (what its base_model_prefix names): a PreTrainedModel
         cast(PreTrainedModel, backbone),
-        backbone is not pretrained,
+        # a head on top of the backbone, or inside it (an encoder-decoder LM that runs its two stacks itself)
+        backbone is not pretrained or observed.head_logits is not None,
         attention,
         positions,
         stacks,

@@ -1,8 +1,9 @@
 """What a model's config and module tree show before any dry run: attention that spans the whole
-sequence by construction (relative position biases, ALiBi) is refused (soft-capping and sinks are honoured,
-proven per module: proof/score_mods.py; queries scaled by their index, proven: proof/temperature.py); the
-backbone's position modules and layer stacks are found (models/families.py), and position modules that cannot
-be given global positions are refused. Every refusal names the value, why, and the fix.
+sequence by construction (relative position biases other than T5's, ALiBi) is refused (soft-capping, sinks
+and T5's bias are honoured, proven: proof/score_mods.py, relative_bias.py; queries scaled by their index,
+proven: proof/temperature.py); the backbone's position modules and layer stacks are found
+(models/families.py), and position modules that cannot be given global positions are refused. Every refusal
+names the value, why, and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from ..families import PositionModule
 from . import temperature
+from .relative_bias import computes_bias
 
 
 def _refuse(name: str, why: str, fix: str):
@@ -21,15 +23,17 @@ def _refuse(name: str, why: str, fix: str):
 
 def check_structure(model: nn.Module, config, name: str) -> None:
     """Refuse attention that spans the whole sequence by construction, read off the config and the modules."""
-    if (
-        any(hasattr(m, "relative_attention_bias") for m in model.modules())
-        or getattr(config, "relative_attention_num_buckets", None) is not None
-    ):
+    tables = [(path, m) for path, m in model.named_modules() if hasattr(m, "relative_attention_bias")]
+    other = [path for path, m in tables if not computes_bias(m)]
+    if other or (not tables and getattr(config, "relative_attention_num_buckets", None) is not None):
+        # a bias table without T5's compute_bias (T5's is proven by distance at the dry run: proof/relative_bias.py)
+        where = f"{other[0]} ({type(model.get_submodule(other[0])).__name__})" if other else "its attention"
         _refuse(
             name,
-            "its attention adds a relative position bias computed from the whole query-key distance "
-            "matrix, which no rank holds under sequence parallelism",
-            "Models with rotary or absolute positions (Llama, Qwen, Mistral, Marian, BART, M2M100, ...) work",
+            f"{where} adds a relative position bias other than T5's (a table by query-key distance, gathered by "
+            "compute_bias(query_length, key_length, device, past_seen_tokens)): computed from the whole query-key "
+            "distance matrix, which no rank holds under sequence parallelism",
+            "T5, mT5, UMT5 and Switch Transformers work, as do models with rotary or absolute positions",
         )
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "absolute") not in (
         "absolute",
