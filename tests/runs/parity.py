@@ -183,6 +183,8 @@ def _coverage_cases(base: dict, tag: str) -> list[dict]:
             batch=dict(length=8, pad=False),
         ),
         dict(base, name=f"{tag}-mistral-window-4", family="mistral", model=dict(sliding_window=4)),
+        # T5's bias marker made again by the recompute, and the bias table's gradient through it
+        dict(base, name=f"{tag}-t5-checkpointing", family="t5", checkpointing=True),
         dict(
             base,
             name=f"{tag}-qwen2-window-4",
