@@ -8,6 +8,10 @@ import re
 CAUSES = (  # (pattern in the message, cause), first match wins
     (r"computes attention itself", "attention written by hand, not through AttentionInterface (named)"),
     (
+        r"relative position bias is one table for all heads",
+        "tensor parallelism: a relative position bias table shared by all heads (T5)",
+    ),
+    (
         r"runs on the whole sequence, which tensor parallelism",
         "a token mixer run on the whole sequence, under tensor parallelism (named)",
     ),
@@ -21,7 +25,8 @@ CAUSES = (  # (pattern in the message, cause), first match wins
     ),
     (
         r"runs a convolution|runs a scan|mixes information along the sequence|selects among the tokens",
-        "token mixing outside attention: convolution, SSM / linear-attention scan, recurrence (named)",
+        "token mixing outside attention: convolution, SSM / linear-attention scan, recurrence, positions made "
+        "from the shard (named)",
     ),
     (r"decides for each token from the batch", "expert routing with capacity counted over the tokens (named)"),
     (
@@ -41,7 +46,7 @@ CAUSES = (  # (pattern in the message, cause), first match wins
         r"is given a pattern other than|says is_causal",
         "an attention mask it cannot reproduce: blockwise, prefix, learned bias, or is_causal against the mask (named)",
     ),
-    (r"relative position bias|ALiBi", "relative position bias or ALiBi over the whole sequence"),
+    (r"relative position bias|ALiBi", "relative position bias other than T5's, or ALiBi, over the whole sequence"),
     (r"temperature tuning", "a query scale by index that does not match the one proven (Llama 4)"),
     (
         r"no shift|not the token-mean|shifts its encoder-decoder labels",
