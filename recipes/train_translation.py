@@ -28,7 +28,8 @@ Launch (from the repository root):
 (`--sp_size`, `--sp_mode`, `--sp_ring_size`, `--tp_size`, ...) first, then the recipe's own (model size,
 data), then the rest of `SequenceParallelArguments` (transformers' `Seq2SeqTrainingArguments`). The trained
 model and tokenizer are saved in `--output_dir` as a plain transformers checkpoint
-(`MarianMTModel.from_pretrained(output_dir)` needs no seqpar_hf).
+(`MarianMTModel.from_pretrained(output_dir)`, or `T5ForConditionalGeneration` with `--model_type t5`, needs no
+seqpar_hf).
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ logger = logging.getLogger("train_translation")
 
 @dataclass
 class ModelArguments:
+    model_type: str = field(
+        default="marian",
+        metadata={
+            "help": "marian (sinusoidal positions, the default) or t5 (a relative position bias by query-key "
+            "distance; its encoder and decoder stacks run by the model itself). Same sizes from the flags below.",
+            "choices": ["marian", "t5"],
+        },
+    )
     d_model: int = field(default=256, metadata={"help": "Hidden size."})
     encoder_layers: int = field(default=3, metadata={"help": "Encoder layers."})
     decoder_layers: int = field(default=3, metadata={"help": "Decoder layers."})
@@ -465,7 +474,8 @@ def main(argv=None):
     model.generation_config.no_repeat_ngram_size = data_args.no_repeat_ngram_size or None
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "model: Marian d=%d, %d+%d layers, %d heads, %.1fM parameters; %s",
+        "model: %s d=%d, %d+%d layers, %d heads, %.1fM parameters; %s",
+        type(model).__name__,
         model_args.d_model,
         model_args.encoder_layers,
         model_args.decoder_layers,

@@ -12,7 +12,15 @@ from pathlib import Path
 import evaluate
 import numpy as np
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, MarianConfig, MarianMTModel, TrainerCallback
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MarianConfig,
+    MarianMTModel,
+    T5Config,
+    T5ForConditionalGeneration,
+    TrainerCallback,
+)
 
 import seqpar_hf
 
@@ -57,7 +65,9 @@ def choose_precision(requested: str, training_args) -> str:
     return "bf16" if training_args.bf16 else "fp32"
 
 
-def build_model(model_args, tokenizer, max_length: int) -> MarianMTModel:
+def build_model(model_args, tokenizer, max_length: int) -> MarianMTModel | T5ForConditionalGeneration:
+    if getattr(model_args, "model_type", "marian") == "t5":
+        return _t5(model_args, tokenizer)
     config = MarianConfig(
         vocab_size=len(tokenizer),
         decoder_vocab_size=len(tokenizer),
@@ -84,6 +94,37 @@ def build_model(model_args, tokenizer, max_length: int) -> MarianMTModel:
     model = MarianMTModel(config)
     model.set_attn_implementation("sdpa")
     model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]  # never generate <pad> after the start
+    return model
+
+
+def _t5(model_args, tokenizer) -> T5ForConditionalGeneration:
+    """The same sizes as a T5 (v1.0: ReLU feed-forward, a relative position bias in the first layer of each stack,
+    shared by its layers; the head tied and scaled by d_model^-0.5): its decoder starts from <pad>, like Marian's.
+    Hidden dropout `--dropout`, attention-weight dropout `--attention_dropout` (T5 has one rate for both)."""
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=model_args.d_model,
+        d_kv=model_args.d_model // model_args.attention_heads,
+        d_ff=model_args.ffn_dim,
+        num_layers=model_args.encoder_layers,
+        num_decoder_layers=model_args.decoder_layers,
+        num_heads=model_args.attention_heads,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=model_args.dropout,
+        feed_forward_proj="relu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = T5ForConditionalGeneration(config)
+    for module in model.modules():  # T5 drops attention weights at its hidden dropout: the recipe's own rate
+        if isinstance(getattr(module, "dropout", None), float):  # (0: the ring and the bias kernels take none)
+            module.dropout = model_args.attention_dropout
+    model.set_attn_implementation("sdpa")
+    model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]
+    model.generation_config.forced_eos_token_id = tokenizer.eos_token_id
     return model
 
 

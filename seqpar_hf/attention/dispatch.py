@@ -49,10 +49,15 @@ def attend(
             return kernels.attention(q, k, v, pattern, scale, dropout, kv_for_q)
     else:
         if dropout > 0:
-            what = "ring attention" if layout.sizes.ring_size != 1 else "attention with soft-capping or sinks"
+            what = (
+                "ring attention"
+                if layout.sizes.ring_size != 1
+                else "attention with soft-capping, sinks or a relative position bias"
+            )
             raise NotImplementedError(
                 f"{what} under sequence parallelism does not support attention dropout (got {dropout}); set the "
-                "model's attention_dropout to 0" + (" or use mode='ulysses'" if not mods.active else "")
+                "model's attention dropout to 0 (attention_dropout in most configs; T5's is its dropout_rate, or "
+                "each attention module's `dropout` attribute)" + (" or use mode='ulysses'" if not mods.active else "")
             )
         plan = ring_plan(layout, pattern, q.device)
 
