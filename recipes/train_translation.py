@@ -90,7 +90,9 @@ class ModelArguments:
         default="marian",
         metadata={
             "help": "marian (sinusoidal positions, the default) or t5 (a relative position bias by query-key "
-            "distance; its encoder and decoder stacks run by the model itself). Same sizes from the flags below.",
+            "distance; its encoder and decoder stacks run by the model itself). Same sizes from the flags below. "
+            "t5 is not tuned: at the recipe's Marian settings (bf16, peak learning rate 1e-3) it diverges, test "
+            "BLEU 5.2 in the budget (recipes/README.md)",
             "choices": ["marian", "t5"],
         },
     )
