@@ -64,6 +64,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("gpt_oss", "GptOssForCausalLM", ("ulysses",), ALL),  # learned sinks (a ring of one); packed rows refused
     ("llama4:floor_scale_4", "Llama4ForCausalLM", ("ring",), (P, G)),  # chunks; queries scaled by their index
     ("t5", "T5ForConditionalGeneration", ("ring",), (P, G)),  # relative position bias; the model runs its stacks
+    ("switch_transformers", "SwitchTransformersForConditionalGeneration", ("ulysses",), (P, G)),  # encoder output type
     ("marian:decoder_is_causal_false_eager", "MarianMTModel", ("ulysses", "ring"), (P,)),  # E1: sides from keys
     ("apertus", "ApertusForCausalLM", ("tp2",), (P,)),  # I2: xIELU alpha summed over TP
     ("phi:qk_layernorm", "PhiForCausalLM", ("tp2",), (P,)),  # TP: per-head norm weights summed over TP
