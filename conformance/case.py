@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .numerics import TOLERANCE, relative_error
 from .released import describe
 from .tiny import Unbuildable, build_tiny, is_seq2seq
+from .images import IMAGE_VARIANTS, NoImages, tiny_vlm
 from .variants import VARIANTS
 
 
@@ -63,13 +64,24 @@ ROUNDING_LIMIT = 1e-3  # WRONG rows below it are re-run in float64 (the ring's m
 _BUILT: dict = {}  # the last class built in this process: the variants of one class reuse it
 
 
-def _build(model_type: str, class_name: str):
-    """(model, info) of a fresh copy of the tiny model (built once per class and process), or raises."""
-    key = (model_type, class_name)
+def _build(model_type: str, class_name: str, images: bool = False):
+    """(model, info) of a fresh copy of the tiny model (built once per class and process), or raises.
+    `images`: with its two-block vision tower (images.py)."""
+    key = (model_type, class_name, images)
     if key not in _BUILT:
         _BUILT.clear()
         try:
-            _BUILT[key] = build_tiny(model_type, class_name)
+            if images:
+                from .overrides import UNBUILDABLE
+                from .tiny import base_type
+
+                if base_type(model_type) in UNBUILDABLE:
+                    status, reason = UNBUILDABLE[base_type(model_type)]
+                    raise Unbuildable(reason, status)
+                model = tiny_vlm(model_type, class_name)
+                _BUILT[key] = (model, {"attn": "sdpa", "params": sum(p.numel() for p in model.parameters())})
+            else:
+                _BUILT[key] = build_tiny(model_type, class_name)
         except Exception as exc:  # noqa: BLE001 - raised again for every variant
             _BUILT[key] = exc
     built = _BUILT[key]
@@ -109,7 +121,7 @@ def _float64_errors(model_type: str, class_name: str, variant, batch: dict, layo
 def _float64_run(model_type: str, class_name: str, variant, batch: dict, layout) -> dict:
     import seqpar_hf
 
-    model, _ = _build(model_type, class_name)
+    model, _ = _build(model_type, class_name, variant.name.startswith("images"))
     try:  # grouped matrix products (the default experts of MoE models) take no float64
         model.set_experts_implementation("eager")
     except (AttributeError, ValueError):
@@ -129,7 +141,8 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
     import seqpar_hf
 
     start = time.time()
-    variant = VARIANTS.get(variant_name)  # None: a class known not to build ("-")
+    variant = {**VARIANTS, **IMAGE_VARIANTS}.get(variant_name)  # None: a class known not to build ("-")
+    images = variant_name.startswith("images")
     rec = {
         "model_type": model_type,
         "class": class_name,
@@ -143,9 +156,11 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
         return rec
 
     try:
-        model, info = _build(model_type, class_name)
+        model, info = _build(model_type, class_name, images)
     except Unbuildable as exc:
         return done(exc.status, reason=str(exc))
+    except NoImages as exc:
+        return done("NOT-RUNNABLE", reason=f"no synthetic images: {exc}")
     except Exception as exc:  # noqa: BLE001
         return done("UNBUILDABLE", reason=f"build failed: {first_line(exc)}", where=where(exc))
     rec.update(
@@ -160,6 +175,8 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
     reference = copy.deepcopy(model)
     try:
         ref, batch = variant.reference(reference, variant.inputs(model, info))
+    except NoImages as exc:
+        return done("NOT-RUNNABLE", reason=f"no synthetic images: {exc}")
     except Exception as exc:  # noqa: BLE001
         return done(
             "NOT-RUNNABLE", reason=f"the unpatched model fails on the batch: {first_line(exc)}", where=where(exc)
@@ -189,7 +206,7 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
     worst = max(errors, key=errors.get)
     reason = f"worst {worst} {errors[worst]:.2e}" + (f" at {rec['worst_param']}" if worst == "grad_err" else "")
     # near misses (generate: any token difference, a near tie parts them) are re-run in float64
-    if max(errors.values()) < ROUNDING_LIMIT or variant_name == "generate":
+    if max(errors.values()) < ROUNDING_LIMIT or variant_name.endswith("generate"):
         try:
             f64 = _float64_errors(model_type, class_name, variant, variant.inputs(model, info), layout)
         except Exception as exc:  # noqa: BLE001
@@ -200,7 +217,7 @@ def run_case(model_type: str, class_name: str, layout_name: str, variant_name: s
         if all(v <= TOLERANCE / 10 for v in rec["float64"].values()):
             return done("EXACT", reason=f"fp32 rounding: {reason}; in float64 {_errors_text(rec['float64'])}")
         reason += f"; in float64 {_errors_text(rec['float64'])}"
-    if variant_name != "generate":  # a reference that is not deterministic would make any comparison WRONG
+    if not variant_name.endswith("generate"):  # a reference that is not deterministic would make any comparison WRONG
         again, _ = variant.reference(copy.deepcopy(reference), batch)
         drift = relative_error(again["loss"].reshape(()), ref["loss"].reshape(()))
         if drift > TOLERANCE:

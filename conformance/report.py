@@ -8,7 +8,7 @@ from pathlib import Path
 
 ERRORS = ("loss_err", "grad_err", "logits_err", "tokens_err", "scores_err")
 STATUSES = ("EXACT", "REFUSED", "WRONG", "CRASHED", "HUNG", "NOT-RUNNABLE", "UNBUILDABLE", "NOT-A-TEXT-LM")
-ORDER = {"padded": 0, "packed": 1, "generate": 2, "ulysses": 0, "ring": 1, "tp2": 2, "hybrid": 3}
+ORDER = {"padded": 0, "packed": 1, "generate": 2, "images": 3, "images-generate": 4, "ulysses": 0, "ring": 1, "tp2": 2, "hybrid": 3}
 
 
 def short(row: dict) -> str:
@@ -58,7 +58,9 @@ def write(rows: list[dict], out: Path, wall: float, command: str) -> None:
         + ", ".join(f"{n} {s}" for s, n in sorted(totals.items(), key=lambda kv: -kv[1]))
         + ".",
         "",
-        "Generate rows: only where the padded row of the same class and layout is EXACT.",
+        "Generate rows: only where the padded row of the same class and layout is EXACT (images-generate: the "
+        "images row). Images rows: the image-text-to-text mapping, with a two-block vision tower and synthetic "
+        "images (conformance/images.py).",
         "",
     ]
     lines += counts_table(rows)
@@ -68,7 +70,7 @@ def write(rows: list[dict], out: Path, wall: float, command: str) -> None:
             causes.setdefault(cause(r.get("reason", "")), set()).add(r["class"])
     lines += ["", "| REFUSED because | classes |", "|---|---|"]
     lines += [f"| {c} | {len(n)} |" for c, n in sorted(causes.items(), key=lambda kv: -len(kv[1]))]
-    for variant in ("padded", "packed", "generate"):
+    for variant in ("padded", "packed", "generate", "images", "images-generate"):
         exact = {r["class"] for r in rows if r["status"] == "EXACT" and r["variant"] == variant}
         lines.append(f"\nClasses EXACT in at least one layout, {variant}: {len(exact)}.")
     unclear = sum(r.get("refusal") == "unclear" for r in rows)

@@ -27,6 +27,7 @@ from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
 )
 
@@ -61,9 +62,11 @@ class Unbuildable(Exception):
 
 
 def mapping_classes() -> list[tuple[str, str, str]]:
-    """(model_type, class name, mapping) for every entry of both auto mappings."""
+    """(model_type, class name, mapping) for every entry of the text auto mappings, then of the
+    image-text-to-text one (its rows run with images: conformance/images.py)."""
     rows = [(mt, cls, "causal") for mt, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()]
     rows += [(mt, cls, "seq2seq") for mt, cls in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.items()]
+    rows += [(mt, cls, "image") for mt, cls in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()]
     return rows
 
 

@@ -2,7 +2,8 @@
 the released checkpoints' shape ratios, tiny.py / released.py), x layout x variant, against the
 unpatched model. Layouts: sp=2 Ulysses and ring, tp=2 (where the config has a tensor-parallel plan, or
 is an encoder-decoder), in 2 gloo processes; sp=4 hybrid (Ulysses 2 x ring 2) in 4. Variants
-(variants.py): padded, packed, generate (only where the padded row of the same layout is EXACT).
+(variants.py): padded, packed, generate (only where the padded row of the same layout is EXACT); the
+image-text-to-text mapping's classes: images, images-generate (images.py; Ulysses, ring, hybrid).
 
     python -m conformance.zoo                       # everything -> conformance/results/zoo.{json,md}
     python -m conformance.zoo --sample              # the CI sample (conformance/sample.py)
@@ -38,7 +39,10 @@ CASE_SECONDS = 300  # for a whole case (build, reference, patched, eval)
 PING_SECONDS = 15
 LAYOUTS = ("ulysses", "ring", "tp2", "hybrid")
 WORLD = {"hybrid": 4}  # processes a layout needs; 2 for the others
-VARIANTS = ("padded", "packed", "generate")
+VARIANTS = ("padded", "packed", "generate", "images", "images-generate")
+TEXT_VARIANTS = ("padded", "packed", "generate")  # the text mappings' rows
+IMAGE_VARIANTS = ("images", "images-generate")  # the image-text-to-text mapping's rows (images.py)
+IMAGE_LAYOUTS = ("ulysses", "ring", "hybrid")
 ERROR_KEYS = ("loss_err", "grad_err", "logits_err", "tokens_err", "scores_err")
 RESULTS = Path(__file__).parent / "results"
 CLEAN = ("EXACT", "WRONG", "REFUSED", "NOT-RUNNABLE", "UNBUILDABLE", "NOT-A-TEXT-LM")
@@ -228,14 +232,17 @@ def plan_tasks(classes: list[tuple[str, str, str]], layouts=LAYOUTS, variants=VA
     from .tiny import base_type
 
     tasks = []
-    for model_type, class_name, _ in classes:
+    for model_type, class_name, mapping in classes:
         if base_type(model_type) in UNBUILDABLE:
             tasks.append((model_type, class_name, "-", "-"))
             continue
+        kinds = IMAGE_VARIANTS if mapping == "image" else TEXT_VARIANTS
         for layout in layouts:
             if layout == "tp2" and not _has_tp_plan(model_type, class_name):
                 continue
-            tasks += [(model_type, class_name, layout, variant) for variant in VARIANTS if variant in variants]
+            if mapping == "image" and layout not in IMAGE_LAYOUTS:
+                continue
+            tasks += [(model_type, class_name, layout, variant) for variant in kinds if variant in variants]
     return tasks
 
 
@@ -273,10 +280,11 @@ def sweep(tasks: list, log=print, on_row=None) -> list[dict]:
         for i, task in enumerate(tasks):
             if WORLD.get(task[2], 2) != world:
                 continue
-            padded = rows.get(task[:3] + ("padded",))
+            train = "images" if task[3] == "images-generate" else "padded"
+            padded = rows.get(task[:3] + (train,))
             if (
-                task[3] == "generate"
-                and task[:3] + ("padded",) in planned
+                task[3] in ("generate", "images-generate")
+                and task[:3] + (train,) in planned
                 and (padded is None or padded["status"] != "EXACT")
             ):
                 continue
@@ -327,9 +335,10 @@ def zoo_tasks(names=None, layouts=LAYOUTS, variants=VARIANTS) -> list[tuple]:
         variants_ = [(v, cls, m) for v in names if ":" in v for mt, cls, m in classes if mt == base_type(v)]
         classes = [c for c in classes if c[0] in names or c[1] in names] + variants_
     seen, unique = set(), []
-    for c in classes:
-        if (c[0], c[1]) not in seen:
-            seen.add((c[0], c[1]))
+    for c in classes:  # a class in a text mapping and the image one gets both kinds of rows
+        key = (c[0], c[1], "image" if c[2] == "image" else "text")
+        if key not in seen:
+            seen.add(key)
             unique.append(c)
     return plan_tasks(unique, layouts, variants)
 

@@ -127,6 +127,37 @@ def attn_implementation(config) -> str | None:
     return config._attn_implementation
 
 
+def set_attention(pretrained, backbone, name: str) -> None:
+    """Make `name` the attention implementation of the backbone's layers: of the whole model where they
+    share its config, else of the backbone's sub-config alone (a multimodal model's text model: its vision
+    tower keeps its own attention). `set_attn_implementation` takes a nested dict keyed by sub-config."""
+    value: str | dict = name
+    for key in reversed(_sub_config_path(pretrained.config, getattr(backbone, "config", None)) or []):
+        value = {key: value}
+    pretrained.set_attn_implementation(value)
+
+
+def backbone_attn_implementation(pretrained, backbone) -> str | None:
+    """The attention implementation the backbone's layers run (`set_attention`'s scope)."""
+    path = _sub_config_path(pretrained.config, getattr(backbone, "config", None))
+    return attn_implementation(backbone.config if path else pretrained.config)
+
+
+def _sub_config_path(top, config) -> list[str] | None:
+    """The sub-config keys from `top` to `config` (the same object), None where it is not one of them."""
+    queue: list[tuple[object, list[str]]] = [(top, [])]
+    while queue:
+        current, path = queue.pop(0)
+        for key in getattr(current, "sub_configs", {}) or {}:
+            sub = getattr(current, key, None)
+            if sub is None:
+                continue
+            if sub is config:
+                return [*path, key]
+            queue.append((sub, [*path, key]))
+    return None
+
+
 def original_attention_function(module, implementation: str):
     """The attention function `module` runs under `implementation`, as its own forward picks it:
     `ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`, where "eager" is the function

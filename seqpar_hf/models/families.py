@@ -52,6 +52,9 @@ class ModelFamily:
     decoder_ids: tuple | str | None = None
     # backbone-relative path -> side of the token mixers run on the whole sequence (models/mixers/gathered.py)
     mixers: dict = field(default_factory=dict)
+    # modules beside the backbone run before it on the full batch (a vision tower): proof/probe.py `_front`
+    front: tuple = ()
+    no_front: str = ""  # why a model with a vision tower keeps its images refused (proof/probe.py)
     dry_run_seconds: float = 0.0
 
 

@@ -124,7 +124,7 @@ def patch_model(
         split_heads(site.heads // tp, site.kv_heads // tp, layout.ulysses_size)
     register()
     pretrained = family.pretrained
-    attn_implementation = _compat.attn_implementation(pretrained.config)
+    attn_implementation = _compat.backbone_attn_implementation(pretrained, family.backbone)
     assert attn_implementation is not None  # inspect_model checked it is one of ATTENTION_IMPLEMENTATIONS
     _own_config(pretrained)
     state = PatchState(
@@ -153,7 +153,7 @@ def patch_model(
         if callable(getattr(obj, "generate", None)):
             _replace(state, obj, "generate", GenerateSP(state, obj.generate, outer=obj is not pretrained))
     attach(state, (model, pretrained, family.backbone))
-    pretrained.set_attn_implementation(ATTN_NAME)
+    _compat.set_attention(pretrained, family.backbone, ATTN_NAME)
     if tp > 1:
         tensor_parallel.parallelize(family, layout)
         tp_checks.complete(family, layout, tensor_parallel.AllReduceGrad)
@@ -175,7 +175,7 @@ def unpatch_model(model):
             "save_model and load the checkpoint into a fresh model"
         )
     family = state.family
-    family.pretrained.set_attn_implementation(state.attn_implementation)
+    _compat.set_attention(family.pretrained, family.backbone, state.attn_implementation)
     for handle in state.hooks:
         handle.remove()
     state.layerdrop.remove()
@@ -318,6 +318,15 @@ def _own_config(model):
     model built from the same config."""
     old = model.config
     new = copy.deepcopy(old)
+    # sub-configs too: a multimodal model's text and vision towers hold its text_config / vision_config
+    pairs, queue = {id(old): new}, [(old, new)]
+    while queue:
+        a, b = queue.pop()
+        for key in getattr(a, "sub_configs", {}) or {}:
+            if getattr(a, key, None) is not None and id(getattr(a, key)) not in pairs:
+                pairs[id(getattr(a, key))] = getattr(b, key)
+                queue.append((getattr(a, key), getattr(b, key)))
     for module in model.modules():
-        if getattr(module, "config", None) is old:
-            module.config = new
+        config = getattr(module, "config", None)
+        if config is not None and id(config) in pairs:
+            module.config = pairs[id(config)]

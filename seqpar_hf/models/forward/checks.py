@@ -385,4 +385,4 @@ def check_forward(
     else:
         values = extra.tolist()
     require_sp_attention(state)
-    validate.check(state.family, kwargs, labels, shift_labels, values)
+    validate.check(state.family, kwargs, labels, shift_labels, values, outer=lm_loss)

@@ -35,6 +35,7 @@ from .inputs import FLASH_KWARGS, shard_causal, shard_plan, shard_seq2seq
 from .loss import IGNORE_INDEX, group_mean_loss, tiled_token_loss_sum, token_loss_sum
 from .rng import per_rank_stream
 from .state import PatchState, Request
+from .validate import check_unsharded
 
 _INCREMENTAL = ("cache", "past_key_values", "encoder_outputs")
 _SEQUENCE_OUTPUTS = (
@@ -106,6 +107,8 @@ class BackboneForward(Wrapper):
                 check_forward(
                     state, kwargs, family.backbone.training, _device(kwargs, family.backbone), compare=session is None
                 )
+        if family.front:  # a multimodal model's text model: what its front hands it (checked before, if not)
+            check_unsharded(family, kwargs)
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions is not available under sequence parallelism")
         if state.offload_layers is not None and state.offload_layers.problem:  # after the ranks compared settings

@@ -164,11 +164,36 @@ def _meta(plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None,
 
 def _positions(plan: ShardPlan, position_ids: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(full [b or 1, S_pad], local [b or 1, s_loc]) position ids; padding gets position 0 (it is
-    masked anyway, and must not index past a position table)."""
+    masked anyway, and must not index past a position table). Multi-axis positions ([axes, b, S]: a
+    multimodal text model's M-RoPE ids, computed from the full batch before its backbone) along their last."""
     if position_ids is None:
         position_ids = torch.arange(plan.length, device=device).unsqueeze(0)
-    full = plan.pad(position_ids, 0)
-    return full, plan.shard(full)
+    full = plan.pad(position_ids, 0, dim=-1)
+    return full, plan.shard(full, dim=-1)
+
+
+def _text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The [b or 1, S] positions that say where documents start: multi-axis ids [axes, b, S] say so only where
+    their first axis is the text's (4 axes, transformers' convention: the text position, then M-RoPE's
+    three); with three axes a row is one document, as transformers then builds its mask."""
+    if position_ids is None or position_ids.dim() < 3:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
+
+
+def _visual_rows(plan: ShardPlan, kw: dict) -> None:
+    """Per-token visual features a multimodal model adds inside its text model (Qwen3-VL's deepstack:
+    `deepstack_visual_embeds`, one [n_visual, d] per layer, added at the `visual_pos_masks` [b, S] tokens in
+    row-major order): this rank's tokens of the mask, and the rows of the features they take."""
+    masks = kw.get("visual_pos_masks")
+    if masks is None:
+        return
+    order = (masks.reshape(-1).long().cumsum(0) - 1).view(masks.shape)  # each visual token's row in the features
+    local = plan.pad_and_shard(masks, False)
+    rows = plan.pad_and_shard(order, 0)[local]
+    kw["visual_pos_masks"] = local
+    if kw.get("deepstack_visual_embeds") is not None:
+        kw["deepstack_visual_embeds"] = [e.index_select(0, rows.to(e.device)) for e in kw["deepstack_visual_embeds"]]
 
 
 def _tokens(plan: ShardPlan, kw: dict, ids_key: str, embeds_key: str, pad_id: int) -> None:
@@ -212,8 +237,9 @@ def shard_causal(
     for name in FLASH_KWARGS[1:]:
         kw.pop(name, None)
     doc = None
-    if position_ids is not None and mask is None:  # None: one document per row, plain causal attention
-        doc = documents_from_positions(position_ids.expand(b, -1))
+    text = _text_positions(position_ids)
+    if text is not None and mask is None:  # None: one document per row, plain causal attention
+        doc = documents_from_positions(text.expand(b, -1))
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s, mask is not None)
     if doc is not None and packed:
@@ -231,6 +257,7 @@ def shard_causal(
         else torch.ones(b, plan.local_length, dtype=torch.bool, device=device)
     )
     kw["position_ids"] = local_pos
+    _visual_rows(plan, kw)
     return ForwardContext(layout, {"decoder": meta}, {"decoder": local_pos}, {"decoder": full_pos}, local_outputs, ids)
 
 

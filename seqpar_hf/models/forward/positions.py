@@ -30,7 +30,10 @@ class RotaryHook:
         ctx = self.state.active
         if ctx is None:
             return None
-        full = ctx.full_positions[self.side]  # [b or 1, S_pad]
+        full = ctx.full_positions[self.side]  # [b or 1, S_pad], or [axes, b, S_pad]
+        given = kwargs.get("position_ids", args[self.position_index] if len(args) > self.position_index else None)
+        if full.dim() == 3 and isinstance(given, torch.Tensor) and given.dim() == 3 and given.shape[0] < full.shape[0]:
+            full = full[full.shape[0] - given.shape[0] :]  # the text axis dropped before the rotary (M-RoPE's 3 of 4)
         if "position_ids" in kwargs or len(args) <= self.position_index:
             kwargs["position_ids"] = full
         else:

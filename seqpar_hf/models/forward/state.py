@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from ... import _compat
 from ...memory.offload import LayerInputOffload, OffloadLayers
 from ...parallel.layout import ParallelLayout
 from ...parallel.sharding import ShardPlan
@@ -87,27 +88,27 @@ class PatchState:
         """Run the plain model (its original attention implementation) on this rank's data."""
         model = self.family.pretrained
         if self.plain_depth == 0:
-            model.set_attn_implementation(self.attn_implementation)
+            _compat.set_attention(model, self.family.backbone, self.attn_implementation)
         self.plain_depth += 1
         try:
             yield
         finally:
             self.plain_depth -= 1
             if self.plain_depth == 0:
-                model.set_attn_implementation(ATTN_NAME if self.decoding is None else ATTN_DECODE_NAME)
+                _compat.set_attention(model, self.family.backbone, ATTN_NAME if self.decoding is None else ATTN_DECODE_NAME)
 
     @contextlib.contextmanager
     def generating(self, session):
         """Run `generate` under SP: the decode implementation (sequence-parallel attention whose masks are
         built only where a decoding step needs the original ones) and the session, for this call."""
         model = self.family.pretrained
-        model.set_attn_implementation(ATTN_DECODE_NAME)
+        _compat.set_attention(model, self.family.backbone, ATTN_DECODE_NAME)
         self.decoding = session
         try:
             yield
         finally:
             self.decoding = self.step = None
-            model.set_attn_implementation(ATTN_NAME)
+            _compat.set_attention(model, self.family.backbone, ATTN_NAME)
 
     @contextlib.contextmanager
     def stepping(self, step):

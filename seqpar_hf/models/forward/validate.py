@@ -122,7 +122,9 @@ def _check_ids(name: str, x, what: str) -> None:
         raise RuntimeError(f"{name} must hold integer ids (torch.long or torch.int), got {x.dtype}")
 
 
-def _check_sequence(kind: str, side: str, kw: dict, ids_key: str, embeds_key: str) -> tuple[int, int] | None:
+def _check_sequence(
+    kind: str, side: str, kw: dict, ids_key: str, embeds_key: str, axes: bool = False
+) -> tuple[int, int] | None:
     ids: Any = kw.get(ids_key)  # a tensor, or anything a caller passed: checked below
     embeds: Any = kw.get(embeds_key)
     if ids is None and embeds is None:
@@ -138,12 +140,13 @@ def _check_sequence(kind: str, side: str, kw: dict, ids_key: str, embeds_key: st
             f"{'source' if side == 'encoder' else 'sequence'} has nothing to attend to); drop empty "
             "batches and rows"
         )
-    _check_companions(kind, side, kw, name, _shape(x)[:2])
+    _check_companions(kind, side, kw, name, _shape(x)[:2], axes)
     return b, s
 
 
-def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple) -> None:
-    """The padding mask and the positions of a sequence of `shape` [b, s] (named `name`)."""
+def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple, axes: bool = False) -> None:
+    """The padding mask and the positions of a sequence of `shape` [b, s] (named `name`). `axes`: multi-axis
+    positions [axes, b or 1, s] are sharded (the text model of a multimodal model: forward/inputs.py)."""
     b, s = shape
     first = "attention_mask" if side == ("encoder" if kind == "seq2seq" else "decoder") else "decoder_attention_mask"
     mask = kw.get(first)
@@ -156,6 +159,10 @@ def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple) -
     pos_key = "position_ids" if first == "attention_mask" else "decoder_position_ids"
     pos = kw.get(pos_key)
     if isinstance(pos, torch.Tensor):
+        if pos.dim() == 3 and pos.shape[1:] in ((b, s), (1, s)) and axes:
+            if pos.dtype.is_floating_point:
+                raise RuntimeError(f"{pos_key} must hold integer positions, got {pos.dtype}")
+            return
         if pos.dim() == 3 and pos.shape[1:] in ((b, s), (1, s)):
             raise NotImplementedError(
                 f"{pos_key} of shape {_shape(pos)}: multi-axis positions (M-RoPE, one row of positions per axis, as "
@@ -173,7 +180,7 @@ def _check_companions(kind: str, side: str, kw: dict, name: str, shape: tuple) -
 
 
 # the tensors a patched forward shards, or reads whole on every rank (cache_position: a decoding index); any
-# other tensor would reach the layers unsharded (images, audio, token types): refused by `_check_unsharded`
+# other tensor would reach the layers unsharded (images, audio, token types): refused by `check_unsharded`
 SHARDED_INPUTS = frozenset(
     (
         "input_ids",
@@ -191,6 +198,8 @@ SHARDED_INPUTS = frozenset(
         "seq_idx",
         "cache_position",
         "logits_to_keep",
+        "visual_pos_masks",  # inside a multimodal model's text model (forward/inputs.py `_visual_rows`)
+        "deepstack_visual_embeds",
     )
 )
 
@@ -203,28 +212,43 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _check_unsharded(family, kw: dict) -> None:
+def check_unsharded(family, kw: dict, outer: bool = False) -> None:
     """Refuse tensors the patched forward would pass to the backbone unsharded: the dry run at patch time
     saw text batches only, so an image, a video, audio features or per-token extras (pixel_values,
     image_grid_thw, token_type_ids, ...) have no proven path through the sequence split (a vision tower's
-    positions would be cut as the text's)."""
+    positions would be cut as the text's). `outer`: the kwargs of the language model's own forward, where a
+    model whose backbone is its text model (`family.front`: a vision tower runs before it, on the full batch,
+    on every rank) takes its images; what reaches the backbone is checked there."""
+    if outer and family.front:
+        return
     extra = {k: _tensors(v) for k, v in kw.items() if k not in SHARDED_INPUTS and _tensors(v)}
+    if extra and family.front:
+        what = ", ".join(sorted(extra))
+        raise NotImplementedError(
+            f"seqpar_hf: {type(family.pretrained).__name__} hands its text model {what}, which sequence "
+            "parallelism does not shard (its images and text are merged before it: only inputs_embeds, "
+            "attention_mask, position_ids and per-token visual masks are split). Run such batches without it "
+            "(`with seqpar_hf.sp_disabled(model):`)"
+        )
     if extra:
         what = ", ".join(f"{k}= ({' + '.join(str(tuple(t.shape)) for t in ts)})" for k, ts in sorted(extra.items()))
         raise NotImplementedError(
             f"seqpar_hf: {type(family.pretrained).__name__}'s forward was given {what}, which sequence parallelism "
             "does not shard: only text inputs (input_ids or inputs_embeds, attention_mask, position_ids, labels; "
-            "decoder_* for encoder-decoder models) are split. Images, audio and other per-token inputs are not "
-            "supported under SP yet: run such batches without it (`with seqpar_hf.sp_disabled(model):`)"
+            "decoder_* for encoder-decoder models) are split"
+            + (f"; images are merged into the text before its text model, but {family.no_front}" if family.no_front else "")
+            + ". Run such batches without SP (`with seqpar_hf.sp_disabled(model):`)"
         )
 
 
-def check(family, kw: dict, labels, shift_labels, values: list[int]) -> None:
+def check(family, kw: dict, labels, shift_labels, values: list[int], outer: bool = False) -> None:
     """Raise what the unpatched model raises for this batch (or refuse it), before any sharding.
-    `values`: `extremes` of the same batch, read back."""
+    `values`: `extremes` of the same batch, read back; `outer`: `kw` is the language model's (`check_unsharded`)."""
     kind = family.kind
-    _check_unsharded(family, kw)
-    src = _check_sequence(kind, "encoder" if kind == "seq2seq" else "decoder", kw, "input_ids", "inputs_embeds")
+    check_unsharded(family, kw, outer)
+    src = _check_sequence(
+        kind, "encoder" if kind == "seq2seq" else "decoder", kw, "input_ids", "inputs_embeds", bool(family.front)
+    )
     if src is None:
         raise ValueError("the patched forward needs input_ids or inputs_embeds")
     dec = (

@@ -222,6 +222,8 @@ def _validate(state: PatchState, kwargs: dict, device) -> None:
     """The forward's validation (`validate`) of the full prompt or source, here where every rank still
     reaches the check: sharded, an id past the vocabulary or a source past the position table would fail
     on the rank that holds it only, while the others wait in a collective."""
+    # images and other inputs: taken where a vision tower runs before the text model (family.front), else refused
+    validate.check_unsharded(state.family, kwargs, outer=True)
     inputs = {k: kwargs.get(k) for k in ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")}
     values = validate.extremes(state.family.kind, inputs, None, None, device).tolist()  # one host sync
     validate.check(state.family, inputs, None, None, values)

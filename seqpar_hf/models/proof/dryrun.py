@@ -175,6 +175,8 @@ class Recorder:
         self.calls: dict[str, list] = {}
         self.stack: list[str] = []
         self.top: list[tuple[str, tuple, dict]] = []  # (name, args, kwargs) of the root's direct calls
+        self.second: list[tuple[str, tuple, dict]] = []  # the calls those modules make directly
+        self.no_front = ""  # proof/probe.py `_inner_text_model`: why the backbone stays above a text model
         self.ops: dict[str, set] = {}
         self.innermost: str | None = None  # the innermost module that returned None (where a forward raised)
         self.linear_outputs: list[tuple[str, torch.Tensor, int]] = []  # to see what is modified in place later
@@ -187,6 +189,8 @@ class Recorder:
         name = self.names.get(module, "?")
         if len(self.stack) == 1:
             self.top.append((name, args, dict(kwargs)))
+        elif len(self.stack) == 2:
+            self.second.append((name, args, dict(kwargs)))
         self.stack.append(name)
         self.calls.setdefault(name, []).append({"in": collect((args, kwargs), self.lengths, self.batch)})
 

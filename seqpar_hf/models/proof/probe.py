@@ -34,6 +34,7 @@ from ..forward import positions as positions_
 from ..forward.context import CONTEXT_KWARG
 from ..forward.inputs import shard_causal, shard_seq2seq
 from ..forward.sites import original_function
+from ..forward.validate import SHARDED_INPUTS
 from . import dryrun, mixers, probe_sizes
 from .probe_checks import Refusal, culprits, describe_culprit, loss_convention, tolerance
 
@@ -55,6 +56,10 @@ class Observed:
     full: tuple = ()  # (recorder, batch, lengths, what the backbone was called with) of the full run
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # modules beside the backbone that a text forward never runs (a multimodal model's vision tower and
+    # projector): they run before it, on the full batch, on every rank (their inputs are not refused)
+    front: tuple[str, ...] = ()
+    no_front: str = ""  # why a model with such modules does not get its text model as the backbone
 
 
 class _Layout(SimpleNamespace):
@@ -184,6 +189,8 @@ def observe(pretrained: PreTrainedModel, kind: str, pad_id: int, original: str |
     backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
     backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
     observed = Observed(backbone, backbone_name, run.attention, sizes)
+    observed.front = _front(pretrained, recorder, backbone_name)
+    observed.no_front = getattr(recorder, "no_front", "")
     # what the backbone was called with (the backbone itself: what the dry run passed it)
     called = _named(backbone.forward, *backbone_call[1:]) if backbone_call else dict(kwargs)
     observed.full = (recorder, batch, lengths, called)
@@ -204,7 +211,7 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
     top = [(n, a, k) for n, a, k in recorder.top]
     holding = [t for t in top if attention and all(a == t[0] or a.startswith(t[0] + ".") for a in attention)]
     if holding:
-        return holding[0][0], holding[0]
+        return _inner_text_model(pretrained, recorder, attention, holding[0])
     with_attention = sorted({t[0] for t in top if any(a.startswith(t[0] + ".") for a in attention)})
     encoder, decoder = _stacks(pretrained)
     if sorted(with_attention) == sorted(n for n in (encoder, decoder) if n is not None):
@@ -230,6 +237,56 @@ def _backbone(pretrained, guess, recorder, sequence: list[dict], names: dict):
         "calls no module that embeds its tokens and attends through transformers' AttentionInterface",
         "Use a model whose attention does",
     )
+
+
+def _inner_text_model(pretrained, recorder, attention: set, holding: tuple):
+    """The backbone inside `holding` (its call) where it also holds modules that a text forward never runs (a
+    vision tower, a projector): the one module it calls that holds every attention call, when that call
+    passes only what the backbone forward shards (a multimodal model merges its images into the text's
+    embeddings before it; everything before that call runs on the full batch on every rank)."""
+    name = holding[0]
+    prefix = name + "." if name else ""
+    if not _idle(pretrained, recorder, name):
+        return name, holding
+    inner = [
+        t
+        for t in recorder.second
+        if t[0].startswith(prefix) and all(a == t[0] or a.startswith(t[0] + ".") for a in attention)
+    ]
+    if len(inner) != 1:
+        return name, holding
+    call = _named(pretrained.get_submodule(inner[0][0]).forward, *inner[0][1:])
+    unsharded = sorted(
+        k for k, v in call.items() if isinstance(v, dict) or (isinstance(v, torch.Tensor) and k not in SHARDED_INPUTS)
+    )
+    if unsharded:  # it is handed what it cannot shard (prepared masks): the images stay refused, saying why
+        recorder.no_front = (
+            f"its text model ({inner[0][0]}, {type(pretrained.get_submodule(inner[0][0])).__name__}) is handed "
+            f"{', '.join(unsharded)} prepared on the full sequence (e.g. masks for its image blocks), which seqpar_hf "
+            "does not shard"
+        )
+        return name, holding
+    return inner[0][0], inner[0]
+
+
+def _idle(pretrained, recorder, name: str) -> tuple[str, ...]:
+    """The children of `name` holding parameters that the dry run's text forward never called."""
+    module = pretrained.get_submodule(name) if name else pretrained
+    prefix = name + "." if name else ""
+    return tuple(
+        f"{prefix}{n}"
+        for n, child in module.named_children()
+        if f"{prefix}{n}" not in recorder.calls and any(True for _ in child.parameters())
+    )
+
+
+def _front(pretrained, recorder, backbone: str) -> tuple[str, ...]:
+    """The idle modules beside a backbone the forward descended to (`_inner_text_model`); () elsewhere."""
+    if "." not in backbone:
+        return ()
+    parent = backbone.rsplit(".", 1)[0]
+    holding = [t for t in recorder.second if t[0] == backbone]
+    return _idle(pretrained, recorder, parent) if holding else ()
 
 
 def _stacks(pretrained) -> tuple[str | None, str | None]:

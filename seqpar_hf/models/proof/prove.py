@@ -180,6 +180,8 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
         packed_rows=packed,
         decoder_ids=decoder_ids,
         mixers=mixers,
+        front=observed.front,
+        no_front=observed.no_front,
     )
     prefix = observed.backbone_name
     family.layer_inputs = layer_inputs(family, observed.full[0].calls, prefix)
