@@ -104,9 +104,11 @@ def test_encoder_only_models_are_refused():
 
 
 def test_inputs_the_forward_would_pass_unsharded_are_refused():
-    """Images (a vision-language model's pixel_values and grid) or per-token extras would reach the layers
-    whole while the text is split (Qwen2.5-VL crashed in its vision rotary before): refused by name."""
-    from transformers import Qwen2VLForConditionalGeneration
+    """Images reach a vision-language model's forward whole (its vision tower runs before its text model, the
+    backbone, on every rank); what it hands its text model besides the sharded inputs is refused by name. A
+    model whose text model is handed what seqpar_hf does not shard (Gemma 3's prepared masks) keeps its
+    images refused, saying why; a text model's per-token extras are refused by name."""
+    from transformers import Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     from conformance.tiny import build_config
 
@@ -114,18 +116,27 @@ def test_inputs_the_forward_would_pass_unsharded_are_refused():
     config = build_config("qwen2_vl", {"text_config": {"rope_parameters": rope}, "vision_config": {"depth": 1}})
     model = Qwen2VLForConditionalGeneration(config).float()
     family = inspect_model(model)
+    assert family.backbone is model.model.language_model and family.front == ("model.visual",)
     kw = {
         "input_ids": torch.randint(3, 50, (1, 12)),
         "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),  # 16 patches of 2 frames x 4 x 4 pixels
         "image_grid_thw": torch.tensor([[1, 4, 4]]),
     }
     values = validate.extremes(family.kind, kw, None, None, torch.device("cpu")).tolist()
+    validate.check(family, kw, None, None, values, outer=True)  # the language model's forward takes them
+    inner = {"inputs_embeds": torch.randn(1, 12, 32), "pixel_values": kw["pixel_values"]}
+    with pytest.raises(NotImplementedError, match=r"hands its text model pixel_values, which sequence parallelism"):
+        validate.check_unsharded(family, inner)
+    gemma = Gemma3ForConditionalGeneration(build_config("gemma3", {"mm_tokens_per_image": 4})).float()
+    family = inspect_model(gemma)
+    assert family.front == () and "prepared on the full sequence" in family.no_front
+    kw = {"input_ids": torch.randint(3, 50, (1, 12)), "pixel_values": torch.randn(1, 3, 16, 16)}
     with pytest.raises(
         NotImplementedError,
-        match=r"Qwen2VLForConditionalGeneration's forward was given "
-        r"image_grid_thw= \(\(1, 3\)\), pixel_values= \(\(16, 96\)\).*sp_disabled",
+        match=r"Gemma3ForConditionalGeneration's forward was given pixel_values= \(\(1, 3, 16, 16\)\).*"
+        r"its text model \(model.language_model, Gemma3TextModel\) is handed attention_mask.*sp_disabled",
     ):
-        validate.check(family, kw, None, None, values)
+        validate.check_unsharded(family, kw, outer=True)
     llama = build("llama")
     batch = dict(BATCHES["causal-labels-longer"][1], token_type_ids=torch.zeros(3, 11, dtype=torch.long))
     kw = {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"]}

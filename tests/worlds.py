@@ -10,7 +10,7 @@ fixture (conftest.py) and asserted by the test modules named here:
 |                   |         | the log lines                                                | test_announce                        |
 | `parity`          | 2, 4    | parity cases, the fused Ulysses exchange, generation under   | test_parity_gloo, test_ulysses_gloo, |
 |                   |         | SP (at 2 also its refusals and the Trainer's --sp_generate); | test_generation_gloo, test_ring_gloo |
-|                   |         | at 4 also the ring kernel numerics                           |                                      |
+|                   |         | vision-language models; at 4 also the ring kernel numerics   | test_vlm_gloo                        |
 | `packing`         | 2, 4    | packed-row cases                                             | test_packing_gloo                    |
 | `tensor_parallel` | 2, 4    | TP (+ SP, DP) cases; at 2 also the TP refusals               | test_tp_gloo                         |
 | `trainer`         | 2, 4    | Trainer runs; at 2 resume and TP generation; at 4 data /     | test_trainer_gloo, test_fsdp_gloo    |
@@ -58,7 +58,13 @@ def parity() -> dict:
     out = {"cases": cases.run_cases(_only(cases.CASES[dist.get_world_size()]))}
     if os.environ.get(ONLY):
         return out
-    out.update(ulysses=ulysses.all_checks(), generation=generation.all_checks(dist.get_world_size()))
+    from .runs import vlm
+
+    out.update(
+        ulysses=ulysses.all_checks(),
+        generation=generation.all_checks(dist.get_world_size()),
+        vlm=vlm.all_checks(dist.get_world_size()),
+    )
     if dist.get_world_size() == 4:
         from .runs import ring
 
