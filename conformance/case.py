@@ -23,10 +23,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .images import IMAGE_VARIANTS, NoImages, tiny_vlm
 from .numerics import TOLERANCE, relative_error
 from .released import describe
 from .tiny import Unbuildable, build_tiny, is_seq2seq
-from .images import IMAGE_VARIANTS, NoImages, tiny_vlm
 from .variants import VARIANTS
 
 

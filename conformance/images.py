@@ -114,7 +114,8 @@ def image_batch(model, rows=ROWS, length: int = LENGTH, seed: int = 100, pad: in
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         tokens = [t * h * w // merge for t, h, w in GRIDS]
         if used:
-            extra["pixel_values"] = torch.cat([torch.randn(GRIDS[i][0] * GRIDS[i][1] * GRIDS[i][2], width, generator=g) for i in used])
+            patches = [GRIDS[i][0] * GRIDS[i][1] * GRIDS[i][2] for i in used]
+            extra["pixel_values"] = torch.cat([torch.randn(n, width, generator=g) for n in patches])
             extra["image_grid_thw"] = torch.tensor([GRIDS[i] for i in used])
     else:
         size = config.vision_config.image_size
@@ -179,7 +180,9 @@ def _variants() -> dict:
 
     return {
         "images": Variant("images", _inputs, padded_reference, padded_patched, TRAIN_ERRORS),
-        "images-generate": Variant("images-generate", _generate_inputs, generate_reference, generate_patched, GENERATE_ERRORS),
+        "images-generate": Variant(
+            "images-generate", _generate_inputs, generate_reference, generate_patched, GENERATE_ERRORS
+        ),
     }
 
 

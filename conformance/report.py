@@ -8,7 +8,8 @@ from pathlib import Path
 
 ERRORS = ("loss_err", "grad_err", "logits_err", "tokens_err", "scores_err")
 STATUSES = ("EXACT", "REFUSED", "WRONG", "CRASHED", "HUNG", "NOT-RUNNABLE", "UNBUILDABLE", "NOT-A-TEXT-LM")
-ORDER = {"padded": 0, "packed": 1, "generate": 2, "images": 3, "images-generate": 4, "ulysses": 0, "ring": 1, "tp2": 2, "hybrid": 3}
+ORDER = {"padded": 0, "packed": 1, "generate": 2, "images": 3, "images-generate": 4}
+ORDER.update({"ulysses": 0, "ring": 1, "tp2": 2, "hybrid": 3})
 
 
 def short(row: dict) -> str:

@@ -64,7 +64,8 @@ def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
-        grids = [(1, 8, 8 * int(torch.randint(1, 3, (1,), generator=g))) for _ in range(int(torch.randint(0, 3, (1,), generator=g)))]
+        count = int(torch.randint(0, 3, (1,), generator=g))
+        grids = [(1, 8, 8 * int(torch.randint(1, 3, (1,), generator=g))) for _ in range(count)]
         ids: list[int] = []
         start = int(torch.randint(1, 200, (1,), generator=g))
         pixels = []

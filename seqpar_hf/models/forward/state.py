@@ -95,7 +95,8 @@ class PatchState:
         finally:
             self.plain_depth -= 1
             if self.plain_depth == 0:
-                _compat.set_attention(model, self.family.backbone, ATTN_NAME if self.decoding is None else ATTN_DECODE_NAME)
+                name = ATTN_NAME if self.decoding is None else ATTN_DECODE_NAME
+                _compat.set_attention(model, self.family.backbone, name)
 
     @contextlib.contextmanager
     def generating(self, session):

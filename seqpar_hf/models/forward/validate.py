@@ -236,7 +236,10 @@ def check_unsharded(family, kw: dict, outer: bool = False) -> None:
             f"seqpar_hf: {type(family.pretrained).__name__}'s forward was given {what}, which sequence parallelism "
             "does not shard: only text inputs (input_ids or inputs_embeds, attention_mask, position_ids, labels; "
             "decoder_* for encoder-decoder models) are split"
-            + (f"; images are merged into the text before its text model, but {family.no_front}" if family.no_front else "")
+            + (
+                f"; images are merged into the text before its text model, but {family.no_front}"
+                * bool(family.no_front)
+            )
             + ". Run such batches without SP (`with seqpar_hf.sp_disabled(model):`)"
         )
 
