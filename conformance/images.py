@@ -53,10 +53,18 @@ def tiny_vlm(model_type: str, class_name: str, seed: int = 0, perturb: float = 0
         raise NoImages(f"{class_name} has no vision_config")
     for key, value in VISION.items():
         if hasattr(vision, key):
-            setattr(vision, key, value)
+            paired = isinstance(getattr(vision, key), (list, tuple)) and key in ("image_size", "patch_size")
+            setattr(vision, key, (value, value) if paired else value)  # InternVL keeps (height, width)
+    if getattr(vision, "head_dim", None) is not None:  # Pixtral: its rotary is as wide as its heads
+        vision.head_dim = vision.hidden_size // vision.num_attention_heads
+    if getattr(config, "image_grid_pinpoints", None) is not None:  # LLaVA-NeXT: one tile beside the base image
+        config.image_grid_pinpoints = [[VISION["image_size"], VISION["image_size"]]]
     for key in ("out_hidden_size", "projection_dim", "text_hidden_size"):
         if hasattr(vision, key):
             setattr(vision, key, text.hidden_size)
+    for c in (config, text):  # a released pad id past the tiny vocabulary (Idefics3: 128002)
+        if isinstance(getattr(c, "pad_token_id", None), int) and c.pad_token_id >= text.vocab_size:
+            c.pad_token_id = 0
     if hasattr(config, "mm_tokens_per_image"):  # Gemma 3: its 4 x 4 patches pooled to 2 x 2
         config.mm_tokens_per_image = 4
     rope = getattr(text, "rope_parameters", None)
@@ -119,31 +127,45 @@ def image_batch(model, rows=ROWS, length: int = LENGTH, seed: int = 100, pad: in
             extra["image_grid_thw"] = torch.tensor([GRIDS[i] for i in used])
     else:
         size = config.vision_config.image_size
+        size = size[0] if isinstance(size, (list, tuple)) else size
         channels = getattr(config.vision_config, "num_channels", 3)
         images = torch.randn(PIXEL_IMAGES, channels, size, size, generator=g)
         sizes = {}
-        if "image_sizes" in inspect.signature(model.get_image_features).parameters:  # Mistral 3 / Pixtral
+        if "image_sizes" in inspect.signature(model.get_image_features).parameters:  # Mistral 3, LLaVA-NeXT
             sizes = {"image_sizes": torch.tensor([[size, size]] * PIXEL_IMAGES)}
+        tiles = getattr(config, "image_grid_pinpoints", None) is not None  # LLaVA-NeXT: [images, tiles, c, h, w]
+        per_row = "pixel_attention_mask" in inspect.signature(model.get_image_features).parameters  # Idefics3
+        if tiles:
+            images = torch.stack([images, torch.randn(images.shape, generator=g)], dim=1)
         with torch.no_grad():
-            features = model.get_image_features(pixel_values=images[:1], **{k: v[:1] for k, v in sizes.items()})
+            first = images[:1].unsqueeze(1) if per_row else images[:1]
+            features = model.get_image_features(pixel_values=first, **{k: v[:1] for k, v in sizes.items()})
         features = getattr(features, "pooler_output", features)
         features = features[0] if isinstance(features, (list, tuple)) else features
         per_image = features.reshape(-1, features.shape[-1]).shape[0]
         tokens = [per_image] * PIXEL_IMAGES
-        if used:
+        if used and per_row:  # [rows, images, c, h, w], a row's missing images all zeros (dropped by the model)
+            most = max(len(row) for row in rows)
+            padded = torch.zeros(len(rows), most, *images.shape[1:])
+            for r, held in enumerate(rows):
+                for j, i in enumerate(held):
+                    padded[r, j] = images[i]
+            extra["pixel_values"] = padded
+        elif used:
             extra["pixel_values"] = images[list(used)]
             extra.update({k: v[list(used)] for k, v in sizes.items()})
-    ids, masks = [], []
-    for r, held in enumerate(rows):
+    ids, masks, seqs = [], [], []
+    for held in rows:
         seq = text(3)
         for i in held:
             frame = [starts[0]] if style == "grid" else []
             seq += frame + [image_id] * tokens[i] + ([starts[1]] if style == "grid" else []) + text(2)
-        seq += text(max(0, length - len(seq) - 2 * r))
+        seqs.append(seq)
+    length = max(length, max(len(seq) for seq in seqs) + 2 * len(rows) + 4)  # images of many tokens: longer rows
+    for r, seq in enumerate(seqs):
+        seq = seq + text(length - len(seq) - 2 * r)
         ids.append([pad] * (length - len(seq)) + seq)
         masks.append([0] * (length - len(seq)) + [1] * len(seq))
-    if min(len(x) for x in ids) != length or max(len(x) for x in ids) != length:
-        raise NoImages(f"{type(model).__name__}: its images take more than {length} tokens")
     batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(masks), **extra}
     inner = getattr(model, "model", model)
     if "mm_token_type_ids" in inspect.signature(inner.forward).parameters:

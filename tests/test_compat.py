@@ -247,3 +247,20 @@ def test_torch_tensor_version_counter():
     before = _compat.tensor_version(t)
     t.add_(1)
     assert _compat.tensor_version(t) == before + 1
+
+
+def test_set_attention_scopes_the_implementation_to_the_backbone_sub_config():
+    """`set_attn_implementation` takes a nested dict keyed by sub-config: a VLM's text model gets the name, its
+    vision tower keeps its own (`_compat.set_attention`, used by patch_model)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from conformance.tiny import build_config
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    model = Qwen2VLForConditionalGeneration(
+        build_config("qwen2_vl", {"text_config": {"rope_parameters": rope}, "vision_config": {"depth": 1}})
+    )
+    text, vision = model.model.language_model, model.model.visual
+    _compat.set_attention(model, text, "eager")
+    assert text.config._attn_implementation == "eager" and vision.config._attn_implementation == "sdpa"
+    assert _compat.backbone_attn_implementation(model, text) == "eager"

@@ -94,7 +94,10 @@ class BackboneForward(Wrapper):
         kwargs = self.named(args, kwargs)
         session = state.decoding
         if state.plain_depth or (_incremental(kwargs) and session is None):
-            with state.without_sp():  # incremental decoding outside generate: no SP, this rank's own data
+            # incremental decoding outside generate (or a cache its caller made: Idefics3's eval forward): no
+            # SP, this rank's own data; its outputs are whole (`gather_logits` returns them as they are)
+            state.outputs = None
+            with state.without_sp():
                 return self.original(**kwargs)
         if session is not None and not session.prefill_pending():
             return self._decoding_step(session, kwargs)

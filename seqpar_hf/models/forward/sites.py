@@ -36,6 +36,7 @@ CARRIED = (
     "past_key_value",
     "cache",
     "labels",
+    "logits_to_keep",  # the head's; LLaVA-OneVision hands its kwargs down to the layers (no attention reads it)
     CONTEXT_KWARG,
 )  # labels: only the dry run passes them this far
 WHY = {
