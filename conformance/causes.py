@@ -8,6 +8,10 @@ import re
 CAUSES = (  # (pattern in the message, cause), first match wins
     (r"computes attention itself", "attention written by hand, not through AttentionInterface (named)"),
     (
+        r"prepared on the full sequence|hands its text model|merged into the text before its text model",
+        "images: the text model is handed what is not sharded (Gemma 3's masks for its image blocks; named)",
+    ),
+    (
         r"relative position bias is one table for all heads",
         "tensor parallelism: a relative position bias table shared by all heads (T5)",
     ),
