@@ -79,7 +79,8 @@ def _build(model_type: str, class_name: str, images: bool = False):
                     status, reason = UNBUILDABLE[base_type(model_type)]
                     raise Unbuildable(reason, status)
                 model = tiny_vlm(model_type, class_name)
-                _BUILT[key] = (model, {"attn": "sdpa", "params": sum(p.numel() for p in model.parameters())})
+                attn = model.config.get_text_config()._attn_implementation
+                _BUILT[key] = (model, {"attn": attn, "params": sum(p.numel() for p in model.parameters())})
             else:
                 _BUILT[key] = build_tiny(model_type, class_name)
         except Exception as exc:  # noqa: BLE001 - raised again for every variant

@@ -73,7 +73,13 @@ def tiny_vlm(model_type: str, class_name: str, seed: int = 0, perturb: float = 0
         half = head // 2
         text.rope_parameters = {**rope, "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
     torch.manual_seed(seed)
-    model = model_class._from_config(config, attn_implementation="sdpa", dtype=torch.float32).float()
+    try:
+        model = model_class._from_config(config, attn_implementation="sdpa", dtype=torch.float32).float()
+    except ValueError as exc:  # a model without SDPA (GOT-OCR2): eager, as conformance/tiny.py builds it
+        if "does not support" not in str(exc):
+            raise
+        torch.manual_seed(seed)
+        model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32).float()
     if perturb:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -92,8 +98,11 @@ def _style(model) -> str:
     raise NoImages(f"{type(model).__name__}: no synthetic-image convention for its processor here")
 
 
-def image_batch(model, rows=ROWS, length: int = LENGTH, seed: int = 100, pad: int = 0, labels: bool = True) -> dict:
-    """Rows holding the images `rows` names (indices into GRIDS, or into PIXEL_IMAGES images), left-padded."""
+def image_batch(
+    model, rows=ROWS, length: int = LENGTH, seed: int = 100, pad: int = 0, labels: bool = True, left: bool = True
+) -> dict:
+    """Rows holding the images `rows` names (indices into GRIDS, or into PIXEL_IMAGES images), left-padded (or
+    right-padded: under eager attention, as variants.padded_inputs says why)."""
     config = model.config
     image_id = getattr(config, "image_token_id", None)
     if image_id is None:
@@ -164,8 +173,9 @@ def image_batch(model, rows=ROWS, length: int = LENGTH, seed: int = 100, pad: in
     length = max(length, max(len(seq) for seq in seqs) + 2 * len(rows) + 4)  # images of many tokens: longer rows
     for r, seq in enumerate(seqs):
         seq = seq + text(length - len(seq) - 2 * r)
-        ids.append([pad] * (length - len(seq)) + seq)
-        masks.append([0] * (length - len(seq)) + [1] * len(seq))
+        fill = length - len(seq)
+        ids.append([pad] * fill + seq if left else seq + [pad] * fill)
+        masks.append([0] * fill + [1] * len(seq) if left else [1] * len(seq) + [0] * fill)
     batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(masks), **extra}
     inner = getattr(model, "model", model)
     if "mm_token_type_ids" in inspect.signature(inner.forward).parameters:
@@ -180,13 +190,13 @@ def image_batch(model, rows=ROWS, length: int = LENGTH, seed: int = 100, pad: in
 def _inputs(model, info: dict) -> dict:
     from .batches import pad_id
 
-    return image_batch(model, pad=pad_id(model))
+    return image_batch(model, pad=pad_id(model), left=info.get("attn") == "sdpa")
 
 
 def _generate_inputs(model, info: dict) -> dict:
     from .batches import pad_id
 
-    return image_batch(model, pad=pad_id(model), labels=False)
+    return image_batch(model, pad=pad_id(model), labels=False)  # prompts: left-padded, as generate needs
 
 
 def _variants() -> dict:

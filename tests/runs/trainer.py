@@ -110,7 +110,14 @@ def make_trainer(
 
 
 def run(resume: str | None = None, **kwargs) -> list[dict]:
-    """Train (or resume from checkpoint `resume`) and return the logs."""
+    """Train (or resume from checkpoint `resume`) and return the logs. family "vlm": examples/vlm_images.py's
+    trainer (a tiny Qwen2.5-VL on rows of 0-2 images, the collator a user writes), 6 steps."""
+    if kwargs.get("family") == "vlm":
+        from examples.vlm_images import make_trainer as vlm_trainer
+
+        recorder = Recorder()
+        vlm_trainer(kwargs.get("sp", 0), max_steps=6, output_dir=tempfile.mkdtemp(), callbacks=[recorder]).train()
+        return recorder.logs
     trainer, recorder = make_trainer(**kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return recorder.logs
@@ -239,6 +246,7 @@ def tp_generation_check() -> dict:
 SETUPS = {
     "sp2": (2, dict(sp=2, batch=8)),
     "sp2-t5": (2, dict(sp=2, batch=8, family="t5")),  # relative position bias, the model's own two stacks
+    "sp2-vlm": (2, dict(sp=2, family="vlm")),  # images: the vision tower runs on every rank, the text model sharded
     "sp2-ls": (2, dict(sp=2, batch=8, label_smoothing=0.1)),
     "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)),
     "tp2": (2, dict(sp=1, tp=2, batch=8)),

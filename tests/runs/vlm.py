@@ -27,7 +27,6 @@ CASES = {
     ],
     4: [
         dict(name="qwen2_5_vl-hybrid", model=("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"), mode="hybrid"),
-        dict(name="qwen3_vl-ulysses4", model=("qwen3_vl", "Qwen3VLForConditionalGeneration")),
     ],
 }
 
