@@ -24,7 +24,7 @@ from ..parallel import announce, auto
 from ..parallel.comm import all_gather_cat
 from ..parallel.layout import ParallelLayout
 from .families import ModelFamily
-from .forward import positions
+from .forward import images, positions
 from .forward.forwards import BackboneForward, LMForward, Wrapper
 from .forward.loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .forward.relative_bias import BiasSource
@@ -144,6 +144,7 @@ def patch_model(
         set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)
     state.mixers = mixers.install(state, family, layout)
+    state.image_shards = images.install(state, family, _replace)  # each rank encodes 1/sp of the images
     _install_memory(state, family, mlps, tiled_mlp, offload_activations)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))
     if family.has_lm_head and lm_loss:

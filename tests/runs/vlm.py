@@ -26,7 +26,13 @@ CASES = {
         dict(name="qwen2_audio-ring", model=("qwen2_audio", "Qwen2AudioForConditionalGeneration"), mode="ring"),
     ],
     4: [
-        dict(name="qwen2_5_vl-hybrid", model=("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"), mode="hybrid"),
+        # five images: at least one per rank for the vision tower's cut (rows of 2, 2 and 1 images)
+        dict(
+            name="qwen2_5_vl-hybrid",
+            model=("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+            mode="hybrid",
+            rows=((0, 1), (1, 2), (2,)),
+        ),
     ],
 }
 
@@ -37,7 +43,7 @@ def run_case(case: dict) -> dict:
     layout = seqpar_hf.ParallelLayout(sp_size=world, mode=mode, **({"ring_size": 2} if mode == "hybrid" else {}))
     audio = case["model"][0] == "qwen2_audio"
     model = tiny_audio() if audio else tiny_vlm(*case["model"])
-    batch = audio_batch(model) if audio else image_batch(model)
+    batch = audio_batch(model) if audio else image_batch(model, **({"rows": case["rows"]} if "rows" in case else {}))
     reference = copy.deepcopy(model)
     ref, batch = variants.padded_reference(reference, batch)
     prompts = {k: v for k, v in batch.items() if k != "labels"}
@@ -47,6 +53,7 @@ def run_case(case: dict) -> dict:
     state = seqpar_hf.models.patch.state_of(model)
     out = {"name": case["name"], "backbone": type(state.family.backbone).__name__, "front": state.family.front}
     out.update(variants.padded_patched(model, ref, batch, layout))
+    out["images_cut"] = [(s.checked, s.cut_calls) for s in state.image_shards]  # the tower on 1/sp of them
     if case.get("generate"):
         out.update(variants.generate_patched(model, ref_gen, prompts, layout))
     return out

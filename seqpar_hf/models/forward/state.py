@@ -62,6 +62,7 @@ class PatchState:
         # calls them with no way to pass the context along (the layers get it through their kwargs).
         self.active: ForwardContext | None = None
         self.mixers: dict = {}  # mixer path -> "heads" or why it runs whole (models/mixers/install.py)
+        self.image_shards: list = []  # the vision towers encoding 1/sp of the images (forward/images.py)
         # Plans of the last forward's outputs when they were this rank's shard (None: returned whole), for
         # gather_logits / gather_sequence; set by whichever wrapper returned them to the caller.
         self.outputs: dict[str, ShardPlan] | None = None
