@@ -61,6 +61,21 @@ class _GatherRows(torch.autograd.Function):
         return grad[start : start + ctx.counts[ctx.rank]], None, None, None
 
 
+MAX_DIMS = 6
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    """[ndim, sizes..., -1 padding]: comparable over ranks."""
+    dims = list(t.shape)[:MAX_DIMS]
+    return [t.dim(), *dims, *([-1] * (MAX_DIMS - len(dims)))]
+
+
+def _per_image(i: int, every: list[torch.Tensor]) -> bool:
+    """Output `i` has the same rank and trailing sizes on every rank (only its rows differ): rows per image."""
+    first = every[0][i]
+    return all(bool((g[i][0] == first[0]) and (g[i][2:] == first[2:]).all()) for g in every)
+
+
 def _tensors(value, path=()):
     """(path, tensor) of every tensor in a (nested) output: ModelOutput, tuple, list."""
     if isinstance(value, torch.Tensor):
@@ -125,17 +140,23 @@ class ImageShards:
         first, last = ranges[rank]
         mine = self._cut(kwargs, sizes, kind, first, last)
         out = self.original(**mine)
-        counts = {}
         local = list(_tensors(out))
-        rows = torch.tensor([t.shape[0] if t.dim() else -1 for _, t in local], dtype=torch.long)
-        gathered_rows = [torch.zeros_like(rows) for _ in range(layout.sp_size)]
-        dist.all_gather(gathered_rows, rows, group=group)
+        shapes = torch.tensor([_shape(t) for _, t in local], dtype=torch.long).reshape(-1)
+        every = [torch.zeros_like(shapes) for _ in range(layout.sp_size)]
+        dist.all_gather(every, shapes, group=group)  # each output's shape on every rank
+        every = [g.view(len(local), -1) for g in every]
+        if any(not _per_image(i, every) for i in range(len(local))):  # an output not cut by image (Pixtral's
+            # patches of all images in one sequence, [1, patches, d]): the tower runs whole, on every call
+            self.checked = False
+            logger.warning(
+                "seqpar_hf: %s returns outputs that are not cut by image: it runs on all images on every rank",
+                type(self.module).__name__,
+            )
+            return self.original(**kwargs)
         for i, (path, t) in enumerate(local):
-            counts[path] = [int(g[i]) for g in gathered_rows]
-        for path, t in local:
-            if t.dim() == 0 or min(counts[path]) < 0:
+            if t.dim() == 0:
                 continue
-            out = _put(out, path, _GatherRows.apply(t, counts[path], rank, group))
+            out = _put(out, path, _GatherRows.apply(t, [int(g[i, 1]) for g in every], rank, group))
         if self.checked is None:
             self._check(out, kwargs)
         self.cut_calls += 1
