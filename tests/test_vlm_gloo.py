@@ -39,7 +39,9 @@ def test_images_train_and_generate_as_the_unpatched_model(results, size, name):
     for r in per_rank:
         assert r["backbone"].endswith(("TextModel", "LlamaModel", "Qwen2Model")) and r["front"], r  # the text model
         assert r["loss_err"] < TOL and r["grad_err"] < TOL and r["logits_err"] < TOL, r
-        if "images_cut" in r and not r["name"].startswith("qwen2_audio"):  # each rank encoded its images only
+        if r["name"] == "mixing-tower":  # checked on the first batch: it mixes images, so it runs whole
+            assert r["images_cut"] == [(False, 0)], r
+        elif not r["name"].startswith("qwen2_audio"):  # each rank encoded its own images only
             assert r["images_cut"] and all(checked and calls >= 2 for checked, calls in r["images_cut"]), r
         if "tokens_err" in r:
             assert r["tokens_err"] == 0 and r["scores_err"] < TOL, r

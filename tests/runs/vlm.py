@@ -24,6 +24,9 @@ CASES = {
         dict(name="qwen3_vl-ring", model=("qwen3_vl", "Qwen3VLForConditionalGeneration"), mode="ring", generate=True),
         dict(name="llava-ulysses", model=("llava", "LlavaForConditionalGeneration")),  # pixels [n, c, h, w]
         dict(name="qwen2_audio-ring", model=("qwen2_audio", "Qwen2AudioForConditionalGeneration"), mode="ring"),
+        # a vision tower that mixes its images (each patch embedding shifted by the mean of all of them): the
+        # check on the first batch sees it, and the tower runs on all images on every rank
+        dict(name="mixing-tower", model=("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"), mixing=True),
     ],
     4: [
         # five images: at least one per rank for the vision tower's cut (rows of 2, 2 and 1 images)
@@ -45,6 +48,9 @@ def run_case(case: dict) -> dict:
     model = tiny_audio() if audio else tiny_vlm(*case["model"])
     batch = audio_batch(model) if audio else image_batch(model, **({"rows": case["rows"]} if "rows" in case else {}))
     reference = copy.deepcopy(model)
+    if case.get("mixing"):
+        for m in (model, reference):
+            _mix_images(m.model.visual.patch_embed)
     ref, batch = variants.padded_reference(reference, batch)
     prompts = {k: v for k, v in batch.items() if k != "labels"}
     if case.get("generate"):
@@ -97,3 +103,18 @@ def audio_batch(model) -> dict:
         "feature_attention_mask": torch.ones(2, 32, dtype=torch.long),
         "labels": labels,
     }
+
+
+class _Mixed:
+    """A patch embedding whose output is shifted by the mean over every image's patches (mixes images)."""
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        y = self.forward(*args, **kwargs)
+        return y + y.mean(0, keepdim=True)
+
+
+def _mix_images(module) -> None:
+    module.forward = _Mixed(module.forward)

@@ -9,9 +9,11 @@ the tower's weights get, summed over the ranks, what the replicated tower gets.
 
 That cutting the images apart changes nothing is checked, not assumed: the first call that cuts runs the tower
 on all images too and compares (every rank the same decision); a tower that mixes images (a batch norm over
-them) keeps running whole, with a warning. Two conventions are cut: Qwen's flattened patches with `grid_thw`
-(an image's patches: the product of its row), and images along the first dim of `pixel_values` (with every
-tensor argument of that first dim); anything else, fewer images than ranks, or TP run whole.
+them), or that draws random numbers (dropout, drop path: a cut would draw others than the whole batch; seen by
+the generator's state moving), keeps running whole, with a warning. Two conventions are cut: Qwen's flattened
+patches with `grid_thw` (an image's patches: the product of its row), and images along the first dim of
+`pixel_values` (with every tensor argument of that first dim); anything else, fewer images than ranks, or TP
+run whole.
 """
 
 from __future__ import annotations
@@ -139,7 +141,18 @@ class ImageShards:
         rank = layout.sp_rank
         first, last = ranges[rank]
         mine = self._cut(kwargs, sizes, kind, first, last)
+        before = _rng_states(pixels_device(kwargs, self.names[0]))
         out = self.original(**mine)
+        if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(pixels_device(kwargs, self.names[0])))):
+            # it draws random numbers (dropout, drop path in training): a cut draws other ones than the whole
+            # batch does; the same draws as one process: the state restored, the tower whole (every rank alike)
+            _set_rng_states(before, pixels_device(kwargs, self.names[0]))
+            self.checked = False
+            logger.warning(
+                "seqpar_hf: %s draws random numbers (dropout) in training: it runs on all images on every rank",
+                type(self.module).__name__,
+            )
+            return self.original(**kwargs)
         local = list(_tensors(out))
         shapes = torch.tensor([_shape(t) for _, t in local], dtype=torch.long).reshape(-1)
         every = [torch.zeros_like(shapes) for _ in range(layout.sp_size)]
@@ -210,6 +223,24 @@ class ImageShards:
                 float(verdict),
             )
             raise _Recompute()
+
+
+def pixels_device(kwargs: dict, name: str) -> torch.device:
+    return kwargs[name].device
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The generator states a module's random draws advance: the CPU's, and the device's on CUDA."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_states(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
 
 
 class _Recompute(Exception):
