@@ -55,6 +55,10 @@ def tiny_vlm(model_type: str, class_name: str, seed: int = 0, perturb: float = 0
         if hasattr(vision, key):
             paired = isinstance(getattr(vision, key), (list, tuple)) and key in ("image_size", "patch_size")
             setattr(vision, key, (value, value) if paired else value)  # InternVL keeps (height, width)
+    if getattr(vision, "pixel_shuffle_ratio", None):  # Llama 4: the shuffled patches' width feeds its adapter
+        vision.intermediate_size = int(vision.hidden_size / vision.pixel_shuffle_ratio**2)
+        for key in ("projector_input_dim", "projector_output_dim", "vision_output_dim"):
+            setattr(vision, key, 64)
     if getattr(vision, "head_dim", None) is not None:  # Pixtral: its rotary is as wide as its heads
         vision.head_dim = vision.hidden_size // vision.num_attention_heads
     if getattr(config, "image_grid_pinpoints", None) is not None:  # LLaVA-NeXT: one tile beside the base image

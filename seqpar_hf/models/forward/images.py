@@ -254,7 +254,8 @@ def install(state, family, replace) -> list:
     for name in family.front:
         module = family.pretrained.get_submodule(name)
         names = list(inspect.signature(module.forward).parameters)
-        if not names or names[0] not in ("pixel_values", "hidden_states"):
+        qwen = names[:1] == ["hidden_states"] and any(n.endswith("grid_thw") for n in names)  # its patches, grids
+        if names[:1] != ["pixel_values"] and not qwen:
             continue
         shards = ImageShards(state, module, module.forward)
         replace(state, module, "forward", _Safe(shards))

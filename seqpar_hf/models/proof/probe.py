@@ -246,8 +246,8 @@ def _inner_text_model(pretrained, recorder, attention: set, holding: tuple):
     embeddings before it; everything before that call runs on the full batch on every rank)."""
     name = holding[0]
     prefix = name + "." if name else ""
-    if not _idle(pretrained, recorder, name):
-        return name, holding
+    if not (_idle(pretrained, recorder, name) or (name and _idle(pretrained, recorder, ""))):
+        return name, holding  # (the idle modules beside it: Llama 4's vision model beside its language model)
     inner = [
         t
         for t in recorder.second
@@ -270,13 +270,16 @@ def _inner_text_model(pretrained, recorder, attention: set, holding: tuple):
 
 
 def _idle(pretrained, recorder, name: str) -> tuple[str, ...]:
-    """The children of `name` holding parameters that the dry run's text forward never called."""
+    """The children of `name` holding parameters that the dry run's text forward never called (neither them nor
+    anything inside them: a ModuleList of heads is never called itself)."""
     module = pretrained.get_submodule(name) if name else pretrained
     prefix = name + "." if name else ""
+    called = set(recorder.calls)
     return tuple(
         f"{prefix}{n}"
         for n, child in module.named_children()
-        if f"{prefix}{n}" not in recorder.calls and any(True for _ in child.parameters())
+        if not any(c == f"{prefix}{n}" or c.startswith(f"{prefix}{n}.") for c in called)
+        and any(True for _ in child.parameters())
     )
 
 
@@ -286,7 +289,8 @@ def _front(pretrained, recorder, backbone: str) -> tuple[str, ...]:
         return ()
     parent = backbone.rsplit(".", 1)[0]
     holding = [t for t in recorder.second if t[0] == backbone]
-    return _idle(pretrained, recorder, parent) if holding else ()
+    beside = _idle(pretrained, recorder, "") if "." not in parent else ()  # beside the module holding it
+    return tuple(dict.fromkeys(_idle(pretrained, recorder, parent) + beside)) if holding else ()
 
 
 def _stacks(pretrained) -> tuple[str | None, str | None]:

@@ -47,13 +47,14 @@ def check_structure(model: nn.Module, config, name: str) -> None:
         )
     for path, module in model.named_modules():
         if temperature.tuned(module):  # past the dry run's lengths: it cannot see it (Llama 4's floor_scale is 8192)
-            why = temperature.prove(module, config.hidden_size)
+            own = getattr(module, "config", None) or config.get_text_config()  # a VLM's text config holds it
+            why = temperature.prove(module, own.hidden_size)
             if why is not None:
                 _refuse(
                     name,
                     f"{path} scales its queries by their index counted from 0 in each call (attention temperature "
                     f"tuning of its NoPE layers: attn_temperature_tuning=True, floor_scale="
-                    f"{getattr(config, 'floor_scale', '?')}), and {why}; every rank would count its shard from 0 "
+                    f"{getattr(module, 'floor_scale', '?')}), and {why}; every rank would count its shard from 0 "
                     "(silently wrong past floor_scale tokens)",
                     "Set config.attn_temperature_tuning = False before building the model (identical below "
                     "floor_scale tokens), or train without sequence parallelism",
