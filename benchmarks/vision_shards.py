@@ -25,35 +25,11 @@ RESULTS = Path(__file__).parent / "results" / "vision_shards.json"
 
 
 def _model(width: int):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from examples.vlm_images import build_model  # its text model; a wider, deeper vision tower
 
-    text = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-        bos_token_id=1,
-        eos_token_id=2,
+    return build_model(
+        depth=4, hidden_size=width, intermediate_size=2 * width, num_heads=4, fullatt_block_indexes=[3], window_size=32
     )
-    vision = dict(
-        depth=4,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_heads=4,
-        patch_size=4,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        out_hidden_size=64,
-        fullatt_block_indexes=[3],
-        window_size=32,
-    )
-    ids = dict(image_token_id=255, vision_start_token_id=253, vision_end_token_id=254, pad_token_id=0)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def _batch(images: int, side: int) -> dict:

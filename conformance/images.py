@@ -17,7 +17,7 @@ import inspect
 import torch
 import transformers
 
-from .tiny import _family_overrides, base_type, build_config
+from .tiny import _family_overrides, base_type, build_config, perturbed
 
 # sizes of the tiny vision towers (each config takes the fields it has)
 VISION = {
@@ -84,13 +84,7 @@ def tiny_vlm(model_type: str, class_name: str, seed: int = 0, perturb: float = 0
             raise
         torch.manual_seed(seed)
         model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32).float()
-    if perturb:
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.add_(torch.randn(p.shape, generator=g) * perturb)
-    return model
+    return perturbed(model, seed, perturb)
 
 
 def _style(model) -> str:

@@ -361,14 +361,21 @@ def build_tiny(model_type: str, class_name: str, seed: int = 0, perturb: float =
             if fnmatch.fnmatch(name, pattern):
                 for key, value in values.items():
                     setattr(module, key, value)
-    if perturb:
+    perturbed(model, seed, perturb)
+    n_params = sum(p.numel() for p in model.parameters())
+    return model, {"attn": attn, "params": n_params, "labels": harness.get("_labels")}
+
+
+def perturbed(model, seed: int, scale: float):
+    """Seeded noise of std `scale` on every float weight (the same on every rank), so that no zero-initialised
+    path hides; the model."""
+    if scale:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for p in model.parameters():
                 if p.is_floating_point():
-                    p.add_(torch.randn(p.shape, generator=g) * perturb)
-    n_params = sum(p.numel() for p in model.parameters())
-    return model, {"attn": attn, "params": n_params, "labels": harness.get("_labels")}
+                    p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
 
 
 def is_seq2seq(model) -> bool:

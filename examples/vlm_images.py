@@ -25,7 +25,8 @@ LENGTH = 256
 PATCH, TEMPORAL, MERGE = 4, 2, 2
 
 
-def build_model(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+def build_model(seed: int = 0, **vision_sizes) -> Qwen2_5_VLForConditionalGeneration:
+    """The tiny model; `vision_sizes` override its vision tower's (benchmarks/vision_shards.py: a wider one)."""
     text = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -47,6 +48,7 @@ def build_model(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
         fullatt_block_indexes=[1],
         window_size=16,
     )
+    vision.update(vision_sizes)
     config = Qwen2_5_VLConfig(
         text_config={**text, "bos_token_id": 1, "eos_token_id": 2},
         vision_config=vision,
