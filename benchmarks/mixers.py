@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.common import environment, fmt_bytes, table
 from benchmarks.instruments import CollectiveTap, CommMeter, ModuleTags
-from benchmarks.publish import output_options, publish
+from benchmarks.publish import json_path, output_options, publish, write_json
 
 MODEL = dict(
     hidden_size=512,
@@ -105,7 +105,8 @@ def measure(seq_len: int, sp: int, path: str, repeats: int) -> dict:
     }
 
 
-def run(seq_lens: list[int], sps: list[int], repeats: int) -> list[dict]:
+def run(seq_lens: list[int], sps: list[int], repeats: int, partial=None) -> list[dict]:
+    """Every (length, sp, path); `partial(records)` after each one (a long run keeps what it measured)."""
     from tests.helpers.spawn import spawn
 
     records = []
@@ -114,8 +115,14 @@ def run(seq_lens: list[int], sps: list[int], repeats: int) -> list[dict]:
             for path in ("heads", "whole") if sp > 1 else ("one",):
                 got = spawn(measure, sp, seq_len, sp, path, repeats, timeout=3600.0)
                 rec = dict(got[0], per_rank_saved=[g["mixer_saved_bytes"] for g in got])
-                print(f"{seq_len} tokens sp={sp} {rec['path']}: mixer saves {fmt_bytes(rec['mixer_saved_bytes'])}")
+                print(
+                    f"{seq_len} tokens sp={sp} {rec['path']}: mixer saves {fmt_bytes(rec['mixer_saved_bytes'])}, "
+                    f"forward {rec['mixer_forward_s'] * 1e3:.0f} ms, step {rec['step_s']:.2f} s",
+                    flush=True,
+                )
                 records.append(rec)
+                if partial is not None:
+                    partial(records)
     return records
 
 
@@ -130,7 +137,8 @@ def main(argv=None) -> None:
     if args.quick:
         args.seq_lens, args.repeats = [256], 1
     print(environment())
-    records = run(args.seq_lens, args.sp, args.repeats)
+    path = json_path(args, "mixers")
+    records = run(args.seq_lens, args.sp, args.repeats, partial=(lambda rs: write_json(path, rs)) if path else None)
     one = {r["seq_len"]: r for r in records if r["sp"] == 1}
     rows = []
     for r in records:
