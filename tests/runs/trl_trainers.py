@@ -117,7 +117,12 @@ def run_sft(
     """sp=0: plain TRL SFTTrainer (the reference, one process). Otherwise SequenceParallelSFTTrainer."""
     from trl import SFTConfig, SFTTrainer
 
-    model = build_model(family, layers=2)
+    if family == "llava":  # a vision-language model, TRL's own collator over its processor's images
+        from conformance.images import tiny_vlm
+
+        model = tiny_vlm("llava", "LlavaForConditionalGeneration")
+    else:
+        model = build_model(family, layers=2)
     kwargs = dict(gradient_checkpointing=checkpointing, max_length=None, **(extra or {}))
     if packing:  # TRL's best-fit-decreasing packing into padding-free rows (position_ids restart per document)
         kwargs.update(packing=True, max_length=64)
@@ -130,9 +135,9 @@ def run_sft(
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     recorder = Recorder()
     data = dict(
-        train_dataset=sft_dataset(24, 1),
-        eval_dataset=sft_dataset(8, 2),
-        processing_class=tokenizer(),
+        train_dataset=image_dataset(24, 1) if family == "llava" else sft_dataset(24, 1),
+        eval_dataset=image_dataset(8, 2) if family == "llava" else sft_dataset(8, 2),
+        processing_class=image_processor_class() if family == "llava" else tokenizer(),
         callbacks=[recorder],
         peft_config=peft_config,
     )
@@ -153,6 +158,65 @@ def run_sft(
             )
     trainer.train()
     return recorder.logs
+
+
+def image_processor_class():
+    """A LLaVA processor over the tiny LLaVA (conformance/images.py: 16 x 16 images of 4 x 4 patches, 16 image
+    tokens each), with a word-level tokenizer whose special tokens are no prefix of its words."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    specials = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<image>": IMAGE_TOKEN, "user": 4, "assistant": 5}
+    vocab = {**{f"w{i}": i for i in range(6, IMAGE_TOKEN)}, **specials}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    pixels = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    return LlavaProcessor(
+        image_processor=pixels,
+        tokenizer=words,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # the CLS row the "default" strategy drops
+        image_token="<image>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+# each turn's images first, then its text (as TRL's prepare_multimodal_messages places them)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} {% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image> {% else %}{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}"
+)
+
+
+IMAGE_TOKEN = 127  # the tiny LLaVA's image token id (its vocabulary: 128)
+
+
+def image_dataset(n: int, seed: int) -> Dataset:
+    """Conversations with 0-2 random images each ("messages" and "images": TRL's vision-language format)."""
+    import numpy as np
+    from PIL import Image
+
+    g = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        count = int(g.integers(0, 3))
+        images = [Image.fromarray(g.integers(0, 256, (16, 24, 3), dtype=np.uint8)) for _ in range(count)]
+
+        def words(lo, hi):
+            return " ".join(f"w{i}" for i in g.integers(6, IMAGE_TOKEN, int(g.integers(lo, hi))))
+
+        turns = [{"role": "user", "content": words(3, 15)}, {"role": "assistant", "content": words(3, 15)}]
+        rows.append({"messages": turns, "images": images})
+    return Dataset.from_list(rows)
 
 
 def run_dpo(sp: int = 0, batch: int = 4, steps: int = 3, mode: str = "ulysses", ref: str = "copy") -> list[dict]:
@@ -212,6 +276,8 @@ CASES = {
     ),
     "sft-ring": (dict(mode="ring"), dict()),
     "sft-qwen3_5-gated-deltanet": (dict(family="qwen3_5", checkpointing=True), dict(family="qwen3_5")),
+    # images through TRL's vision-language collator (LLaVA's processor): the vision tower on 1/sp of them
+    "sft-llava-images": (dict(family="llava", mode="ring"), dict(family="llava")),
     "sft-model-patched-by-the-trainer": (dict(patch_first=False), dict()),
     "dpo-reference-a-deep-copy": (dict(trainer="dpo"), dict(trainer="dpo")),
     "dpo-separate-reference": (dict(trainer="dpo", ref="separate"), dict(trainer="dpo")),

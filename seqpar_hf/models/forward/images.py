@@ -149,7 +149,7 @@ class ImageShards:
             _set_rng_states(before, pixels_device(kwargs, self.names[0]))
             self.checked = False
             logger.warning(
-                "seqpar_hf: %s draws random numbers (dropout) in training: it runs on all images on every rank",
+                "%s draws random numbers (dropout) in training: it runs on all images on every rank",
                 type(self.module).__name__,
             )
             return self.original(**kwargs)
@@ -162,7 +162,7 @@ class ImageShards:
             # patches of all images in one sequence, [1, patches, d]): the tower runs whole, on every call
             self.checked = False
             logger.warning(
-                "seqpar_hf: %s returns outputs that are not cut by image: it runs on all images on every rank",
+                "%s returns outputs that are not cut by image: it runs on all images on every rank",
                 type(self.module).__name__,
             )
             return self.original(**kwargs)
@@ -209,7 +209,7 @@ class ImageShards:
         self.checked = float(verdict) <= TOLERANCE.get(dtype, 2e-2)
         if self.checked and self.state.layout.rank == 0:
             logger.info(
-                "seqpar_hf: %s encodes 1/%d of the images on each rank (checked on the first batch: %.1e relative "
+                "%s encodes 1/%d of the images on each rank (checked on the first batch: %.1e relative "
                 "to all images on one rank)",
                 type(self.module).__name__,
                 self.state.layout.sp_size,
@@ -217,7 +217,7 @@ class ImageShards:
             )
         if not self.checked:
             logger.warning(
-                "seqpar_hf: %s gives other numbers when its images are cut over the SP group (%.2e relative): "
+                "%s gives other numbers when its images are cut over the SP group (%.2e relative): "
                 "it mixes images; it runs on all images on every rank",
                 type(self.module).__name__,
                 float(verdict),
