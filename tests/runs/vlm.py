@@ -36,6 +36,12 @@ CASES = {
             mode="hybrid",
             rows=((0, 1), (1, 2), (2,)),
         ),
+        # deepstack features at sp=4, the rows' image counts 2, 2 and 1
+        dict(
+            name="qwen3_vl-ulysses",
+            model=("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+            rows=((0, 1), (1, 2), (2,)),
+        ),
     ],
 }
 
