@@ -176,8 +176,9 @@ def image_batch(
         masks.append([0] * fill + [1] * len(seq) if left else [1] * len(seq) + [0] * fill)
     batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(masks), **extra}
     inner = getattr(model, "model", model)
-    if "mm_token_type_ids" in inspect.signature(inner.forward).parameters:
-        batch["mm_token_type_ids"] = (batch["input_ids"] == image_id).long()
+    for key in ("mm_token_type_ids", "token_type_ids"):  # image tokens marked 1 (Gemma 3: they see each other)
+        if key in inspect.signature(inner.forward).parameters:
+            batch[key] = (batch["input_ids"] == image_id).long()
     if labels:
         target = batch["input_ids"].clone()
         target[(batch["attention_mask"] == 0) | (target == image_id)] = -100

@@ -50,11 +50,11 @@ def attention(
     Fully masked rows (padding queries) give zeros, as SDPA does.
     """
     spec = pattern.spec
-    if q.device.type == "cuda" and not spec.trivial and dropout == 0.0:
+    if q.device.type == "cuda" and not spec.trivial and dropout == 0.0 and spec.blocks is None:
         out = _varlen(q, k, v, pattern, scale, kv_for_q)
         if out is not None:
             return out
-    if spec.q.doc is not None:
+    if spec.q.doc is not None and spec.blocks is None:  # (packed rows with blocks are refused before sharding)
         out = _by_document(q, k, v, pattern, scale, dropout, kv_for_q)
         if out is not None:
             return out

@@ -174,3 +174,122 @@ def describe(pattern: Pattern | None) -> str:
     if isinstance(window, Chunks):
         return f"{kind} chunked ({window.size})"
     return kind if window is None else f"{kind} sliding-window ({window})"
+
+
+def _at(fn, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
+    """`fn` at broadcast (row, query, key) indices, or None if it cannot be evaluated there."""
+    try:
+        out = fn(b, torch.tensor(0), q, kv)
+        return torch.as_tensor(out).bool().expand(torch.broadcast_shapes(b.shape, q.shape, kv.shape))
+    except Exception:  # noqa: BLE001 - a function that cannot be evaluated on indices is not readable
+        return None
+
+
+def with_blocks(causal_window, blocks: torch.Tensor, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
+    """The pattern (causal, window) where tokens of one block (`blocks` [rows, S] >= 0) also see each other both
+    ways, inside the window (as transformers composes them: and(window, or(causal, blocks)))."""
+    _, window = causal_window
+    q_block = blocks[b, q]
+    seen = (kv <= q) | ((q_block == blocks[b, kv]) & (q_block >= 0))
+    return seen if window is None else seen & (q - kv < window)
+
+
+def read_blocks(mask_function, batch_size: int, length: int) -> tuple[Pattern, torch.Tensor] | None:
+    """((True, window), blocks [batch_size, length] int64: -1 outside blocks) when `mask_function` is causal
+    attention (windowed or not) in which the tokens of contiguous blocks also see each other both ways
+    (Gemma 3's images: `blockwise_overlay`), read on one forward's rows; None when it is not. Blocks are the
+    runs where a query sees the next key. Checked against the function at every block's edges (all pairs of
+    a block and two tokens around it), every block's last query over all keys, each query's next two keys
+    and its window's edge, a 24 x 24 grid from the start and 4,096 random pairs per row."""
+    if length < 2:
+        return None
+    rows = torch.arange(batch_size)[:, None]
+    idx = torch.arange(length)
+    band = _at(mask_function, rows, idx[None, :-1], idx[None, 1:])  # [b, S-1]: query i sees key i + 1
+    if band is None:
+        return None
+    inside = torch.zeros(batch_size, length, dtype=torch.bool)
+    inside[:, :-1] |= band
+    inside[:, 1:] |= band
+    start = torch.ones(batch_size, length, dtype=torch.bool)
+    start[:, 1:] = ~band
+    blocks = torch.where(inside, start.long().cumsum(-1) - 1, -1)
+    # the window, off the last query outside any block (its keys' blocks do not apply to it)
+    window = None
+    outside = (~inside[0]).nonzero().flatten()
+    if outside.numel():
+        q0 = int(outside[-1])
+        seen = _at(mask_function, torch.tensor(0), torch.tensor(q0), idx[: q0 + 1])
+        if seen is None:
+            return None
+        unseen = (~seen).nonzero().flatten()
+        window = None if not unseen.numel() else q0 - int(unseen[-1])
+    pattern: Pattern = (True, window)
+    checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for row in range(batch_size):
+        r = torch.tensor(row)
+        ids = blocks[row]
+        edges = [0] + ((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist() + [length]
+        for a, e in zip(edges[:-1], edges[1:]):
+            if int(ids[a]) < 0:
+                continue
+            near = torch.arange(max(a - 2, 0), min(e + 2, length))
+            checks.append((r, near[:, None], near[None, :]))
+            checks.append((r, torch.tensor([e - 1])[:, None], idx[None, :]))
+        ahead = torch.cat([idx[:, None] + 1, idx[:, None] + 2], 1).clamp(max=length - 1)
+        checks.append((r, idx[:, None], ahead))
+        if window is not None:
+            edge = torch.cat([idx[:, None] - window, idx[:, None] - window + 1], 1).clamp(min=0)
+            checks.append((r, idx[:, None], edge))
+        grid = idx[: min(length, _GRID)]
+        checks.append((r, grid[:, None], grid[None, :]))
+        g = torch.Generator().manual_seed(row)
+        checks.append(
+            (r, torch.randint(0, length, (4096,), generator=g), torch.randint(0, length, (4096,), generator=g))
+        )
+    for r, q, kv in checks:
+        got = _at(mask_function, r, q, kv)
+        if got is None or not torch.equal(got, with_blocks(pattern, blocks, r, q, kv)):
+            return None
+    return pattern, blocks
+
+
+def _pattern_key(fn):
+    """A hashable identity for a mask function: its code and the simple values it closes over
+    (transformers builds a new closure per mask, e.g. one per sliding window size)."""
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if callable(value):
+            value = _pattern_key(value)
+        elif not isinstance(value, (int, float, bool, str, type(None))):
+            return None
+        cells.append(value)
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code, tuple(cells))
+
+
+_CHECKED: set = set()  # mask functions (by _pattern_key) already found acceptable; a pure function of the key
+
+
+def check_mask_pattern(mask_function, attention_mask=None, batch_size: int = 1) -> None:
+    """Refuse mask patterns other than causal, bidirectional, sliding-window (causal or bidirectional) and
+    causal chunks counted from each row's first real token: read off the function exactly
+    (attention/mask_patterns.py), once per kind of mask function."""
+    key = _pattern_key(mask_function)
+    if key is not None and key in _CHECKED:
+        return
+    pattern = read_function(mask_function)
+    if pattern is not None and isinstance(pattern[1], Chunks):
+        if not chunks_follow_padding(mask_function, pattern[1].size, attention_mask, batch_size):
+            pattern = None
+    if pattern is not None:
+        if key is not None:
+            _CHECKED.add(key)
+        return
+    name = getattr(mask_function, "__name__", type(mask_function).__name__)
+    raise NotImplementedError(
+        f"seqpar_hf shards causal, bidirectional, sliding-window and chunked attention; this model "
+        f"asked for another mask pattern ({name!r}: prefix or custom masks, or chunks not counted from each "
+        "row's first real token, are not supported)"
+    )

@@ -5,7 +5,8 @@ A query at sequence index i may see a key at index j when all of these hold:
   is never a key);
 - both are in the same document of their row (`doc`: packed rows; cross-attention pairs the k-th
   target document with the k-th source document);
-- causal attention: j <= i; sliding window of w: i - j < w (causal), |i - j| < w (bidirectional).
+- causal attention: j <= i, or both in one block (`blocks`: Gemma 3's images attend to each other in both
+  directions inside causal attention); sliding window of w: i - j < w (causal), |i - j| < w (bidirectional).
 
 Masks are built from these per forward, never per layer: `full_mask` for the whole sequence (Ulysses
 holds it after its all-to-all), `block_mask` for a block of rows and columns (a ring step).
@@ -32,6 +33,8 @@ class SeqMeta:
     plan: ShardPlan
     valid: torch.Tensor | None  # [b, S_pad] bool, True = real token; None: every position is real
     doc: torch.Tensor | None  # [b, S_pad] int64 document index within its row; None: one per row
+    # [b, S_pad] int64: tokens of one block (>= 0) see each other both ways inside causal attention; -1: none
+    blocks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,12 @@ class MaskSpec:
     @property
     def trivial(self) -> bool:
         """Nothing beyond (maybe) plain causal: kernels take `is_causal` and no mask."""
-        return self.k.valid is None and self.q.doc is None and self.window is None
+        return self.k.valid is None and self.q.doc is None and self.window is None and self.blocks is None
+
+    @property
+    def blocks(self) -> torch.Tensor | None:
+        """Bidirectional blocks inside causal self-attention (None: none, or not causal self-attention)."""
+        return self.q.blocks if self.causal and self.q is self.k else None
 
     def block_mask(self, q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool | None = None):
         """[b or 1, 1, len(q_idx), len(k_idx)] bool for the queries / keys at these sequence indices,
@@ -77,7 +85,11 @@ class MaskSpec:
             )
             mask = both(mask, same)  # [b, 1, s_q, s_k]
         if causal:
-            mask = both(mask, q_idx[:, None] >= k_idx[None, :])
+            seen = q_idx[:, None] >= k_idx[None, :]
+            if self.blocks is not None:  # or both in one block: [b, 1, s_q, s_k]
+                q_block = self.blocks.index_select(1, q_idx)[:, None, :, None]
+                seen = seen | ((q_block == self.blocks.index_select(1, k_idx)[:, None, None, :]) & (q_block >= 0))
+            mask = both(mask, seen)
         if self.window is not None:
             distance = q_idx[:, None] - k_idx[None, :]
             mask = both(mask, (distance if self.causal else distance.abs()) < self.window)
@@ -88,7 +100,7 @@ class MaskSpec:
         if self.trivial:
             return None, self.causal
         s_q, s_k = self.q.plan.padded, self.k.plan.padded
-        only_padding = self.q.doc is None and self.window is None
+        only_padding = self.q.doc is None and self.window is None and self.blocks is None
         if only_padding and not self.causal:
             assert self.k.valid is not None  # not trivial, no documents, no window: padding it is
             return self.k.valid[:, None, None, :], False  # [b, 1, 1, s_k]: broadcast over queries
@@ -122,7 +134,7 @@ def chunked(meta: SeqMeta, size: int, batch: int, device) -> SeqMeta:
     piece = torch.div(idx - start, size, rounding_mode="floor").expand_as(doc)
     new = torch.ones_like(doc, dtype=torch.bool)
     new[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (piece[:, 1:] != piece[:, :-1])
-    return SeqMeta(meta.plan, meta.valid, torch.where(doc >= 0, new.long().cumsum(-1) - 1, -1))
+    return SeqMeta(meta.plan, meta.valid, torch.where(doc >= 0, new.long().cumsum(-1) - 1, -1), meta.blocks)
 
 
 def check_window(window, causal: bool) -> int | Chunks | None:

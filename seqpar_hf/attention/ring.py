@@ -89,7 +89,8 @@ class RingPlan:
         Zigzag causal: own block causal; an earlier rank's block is seen whole by every query through
         its first chunk; a later rank's block is seen whole by the second query chunk only. Host syncs:
         two per masked block, once per forward."""
-        zigzag = spec.causal and spec.q.plan.zigzag
+        # blocks that attend both ways reach later ranks' keys: every block is masked as it is (no zigzag skips)
+        zigzag = spec.causal and spec.q.plan.zigzag and spec.blocks is None
         s_q = q_index.numel()
         blocks: list[Block | None] = []
         for source in range(len(ranks)):
@@ -103,7 +104,13 @@ class RingPlan:
                 else:
                     rows = slice(s_q // 2, s_q)
             q_idx, k_idx = q_index[rows], k_index[source][cols]
-            if spec.causal and not zigzag and source == index and _ascending_self(spec, q_idx, k_idx):
+            if (
+                spec.causal
+                and not zigzag
+                and spec.blocks is None
+                and source == index
+                and _ascending_self(spec, q_idx, k_idx)
+            ):
                 # contiguous self-attention block (a ring of one under Ulysses): the kernel's causal flag, with
                 # no [s, s] mask where nothing else (padding, documents, a window) needs one
                 causal = spec.block_mask(q_idx, k_idx, causal=False) is None

@@ -15,8 +15,8 @@ import functools
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.mask_patterns import chunks_follow_padding, read_function
-from ..attention.masks import Chunks
+from ..attention.mask_patterns import check_mask_pattern
+from .forward import front_masks
 from .forward.context import CONTEXT_KWARG
 from .forward.sites import resolve, site_of
 from .forward.state import ATTN_DECODE_NAME, ATTN_NAME
@@ -25,54 +25,19 @@ from .generation.decoding import DecodeStep
 from .proof import temperature
 
 
-def _pattern_key(fn):
-    """A hashable identity for a mask function: its code and the simple values it closes over
-    (transformers builds a new closure per mask, e.g. one per sliding window size)."""
-    cells = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        value = cell.cell_contents
-        if callable(value):
-            value = _pattern_key(value)
-        elif not isinstance(value, (int, float, bool, str, type(None))):
-            return None
-        cells.append(value)
-    code = getattr(fn, "__code__", None)
-    return None if code is None else (code, tuple(cells))
-
-
-_CHECKED: set = set()  # mask functions (by _pattern_key) already found acceptable; a pure function of the key
-
-
-def _check_mask_pattern(mask_function, attention_mask=None, batch_size: int = 1) -> None:
-    """Refuse mask patterns other than causal, bidirectional, sliding-window (causal or bidirectional) and
-    causal chunks counted from each row's first real token: read off the function exactly
-    (attention/mask_patterns.py), once per kind of mask function."""
-    key = _pattern_key(mask_function)
-    if key is not None and key in _CHECKED:
-        return
-    pattern = read_function(mask_function)
-    if pattern is not None and isinstance(pattern[1], Chunks):
-        if not chunks_follow_padding(mask_function, pattern[1].size, attention_mask, batch_size):
-            pattern = None
-    if pattern is not None:
-        if key is not None:
-            _CHECKED.add(key)
-        return
-    name = getattr(mask_function, "__name__", type(mask_function).__name__)
-    raise NotImplementedError(
-        f"seqpar_hf shards causal, bidirectional, sliding-window and chunked attention; this model "
-        f"asked for another mask pattern ({name!r}: prefix or custom masks, or chunks not counted from each "
-        "row's first real token, are not supported)"
-    )
-
-
 def sp_mask(
     batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
 ):
     """Mask function: no mask for the layers. Sequence-parallel attention takes padding, documents and
-    windows from the forward's context (identical on every rank, so every rank makes the same decisions)."""
+    windows from the forward's context (identical on every rank, so every rank makes the same decisions).
+    Outside a sharded forward (a multimodal model's front preparing its text model's masks) the mask is
+    deferred: the text model's forward reads what it was made of (`forward/front_masks.py`)."""
+    if not front_masks.SHARDED.get():
+        return decoding.DeferredMask(
+            (batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask), kwargs
+        )
     if mask_function is not None:
-        _check_mask_pattern(mask_function, attention_mask, batch_size)
+        check_mask_pattern(mask_function, attention_mask, batch_size)
     return None
 
 
@@ -140,9 +105,11 @@ def sp_decode_mask(*args, **kwargs):
     decoding step's replicated self-attention needs the original one; so the mask is deferred and built
     only where an attention site asks for it (`decoding.DeferredMask`)."""
     mask_function = kwargs.get("mask_function", args[5] if len(args) > 5 else None)
-    if mask_function is not None:
+    if mask_function is not None and front_masks.SHARDED.get():
         attention_mask = kwargs.get("attention_mask", args[6] if len(args) > 6 else None)
-        _check_mask_pattern(mask_function, attention_mask, kwargs.get("batch_size", args[0] if args else 1))
+        check_mask_pattern(mask_function, attention_mask, kwargs.get("batch_size", args[0] if args else 1))
+    elif mask_function is not None:  # a front's masks (read by the prompt's forward) or a decoding step's
+        front_masks.check_deferred(decoding.DeferredMask(args, kwargs), check_mask_pattern)
     return decoding.deferred_mask(*args, **kwargs)
 
 

@@ -23,6 +23,8 @@ CASES = {
         # Qwen3-VL adds its first vision block's features to the first text layer at the image tokens (deepstack)
         dict(name="qwen3_vl-ring", model=("qwen3_vl", "Qwen3VLForConditionalGeneration"), mode="ring", generate=True),
         dict(name="llava-ulysses", model=("llava", "LlavaForConditionalGeneration")),  # pixels [n, c, h, w]
+        # each image's tokens see each other both ways inside causal attention, also across the ranks' shards
+        dict(name="gemma3-ring", model=("gemma3", "Gemma3ForConditionalGeneration"), mode="ring", generate=True),
         dict(name="qwen2_audio-ring", model=("qwen2_audio", "Qwen2AudioForConditionalGeneration"), mode="ring"),
         # a vision tower that mixes its images (each patch embedding shifted by the mean of all of them): the
         # check on the first batch sees it, and the tower runs on all images on every rank

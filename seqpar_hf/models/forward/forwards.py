@@ -23,10 +23,12 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from ...attention.mask_patterns import check_mask_pattern
 from ...parallel import announce
 from ...parallel.comm import gather_sequence as gather_full
 from ...parallel.layout import ParallelLayout
 from ..tp import tensor_parallel
+from . import front_masks
 from . import labels as labels_
 from .checks import check_forward
 from .context import CONTEXT_KWARG, ForwardContext
@@ -93,14 +95,20 @@ class BackboneForward(Wrapper):
             return self.original(*args, **kwargs)
         kwargs = self.named(args, kwargs)
         session = state.decoding
+        front = front_masks.prepared(kwargs.get("attention_mask"))  # masks a front prepared, deferred
         if state.plain_depth or (_incremental(kwargs) and session is None):
             # incremental decoding outside generate (or a cache its caller made: Idefics3's eval forward): no
             # SP, this rank's own data; its outputs are whole (`gather_logits` returns them as they are)
             state.outputs = None
+            if front:
+                kwargs["attention_mask"] = front_masks.build(kwargs["attention_mask"], state.attn_implementation)
             with state.without_sp():
                 return self.original(**kwargs)
         if session is not None and not session.prefill_pending():
             return self._decoding_step(session, kwargs)
+        blocks = None
+        if front:  # the padding mask and the blocks that see each other both ways (Gemma 3's images)
+            kwargs["attention_mask"], blocks = front_masks.take(kwargs["attention_mask"], check_mask_pattern)
         request = state.take_request()  # a language-model forward's, for this call only
         layout, family = state.layout, state.family
         if layout.replica_size > 1:
@@ -136,6 +144,7 @@ class BackboneForward(Wrapper):
             keep_ids=state.keep_ids,
             default_positions=state.default_positions,
             packed=family.packed_rows,
+            **({"blocks": blocks} if blocks is not None else {}),
             use_cache=request.use_cache
             if request is not None
             else session is None and _use_cache(kwargs, family.backbone),

@@ -150,8 +150,10 @@ def _check_packed(refused: dict, doc: torch.Tensor, flash_kwargs: bool, use_cach
     )
 
 
-def _meta(plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None, b: int, device) -> SeqMeta:
-    """Pad the per-token tensors to the plan's length: padding is invalid and belongs to no document."""
+def _meta(
+    plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None, b: int, device, blocks=None
+) -> SeqMeta:
+    """Pad the per-token tensors to the plan's length: padding is invalid and belongs to no document or block."""
     if valid is not None and bool(valid.all()):
         valid = None  # one host sync per sequence and forward, so attention can skip the mask
     if plan.padded > plan.length:
@@ -159,7 +161,9 @@ def _meta(plan: ShardPlan, valid: torch.Tensor | None, doc: torch.Tensor | None,
         valid = plan.pad(base, False)
     if doc is not None:
         doc = plan.pad(doc, -1)
-    return SeqMeta(plan, valid, doc)
+    if blocks is not None:
+        blocks = plan.pad(blocks.to(device), -1)
+    return SeqMeta(plan, valid, doc, blocks)
 
 
 def _positions(plan: ShardPlan, position_ids: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +216,11 @@ def shard_causal(
     default_positions: str = "arange",
     packed: dict | None = None,
     use_cache: bool = False,
+    blocks: torch.Tensor | None = None,
 ) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
+    `blocks` [b, S]: tokens that see each other both ways inside causal attention (Gemma 3's images, read off
+    the masks its front prepared: `front_masks.py`); -1 outside any block.
     `default_positions`: the rule the backbone makes its own positions by when given none
     (models/forward/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
     refused for this model, and why (`ModelFamily.packed_rows`); checked on the full batch, so every
@@ -244,11 +251,16 @@ def shard_causal(
         doc = _check_cu_seq_lens(cu, doc, b, s, mask is not None)
     if doc is not None and packed:
         _check_packed(packed, doc, flash_kwargs, use_cache)
+    if doc is not None and blocks is not None and bool((doc != doc[:, :1]).any()):
+        raise NotImplementedError(
+            "seqpar_hf: packed rows (documents restarting inside a row) with blocks of tokens that see each other "
+            "both ways (images): not supported under sequence parallelism; pass one document per row"
+        )
     plan = shard_plan(layout, s, causal=True)
     full_pos, local_pos = _positions(plan, position_ids if own is None else own, device)
     ids = {"decoder": plan.pad(kw["input_ids"], pad_id)} if keep_ids and kw.get("input_ids") is not None else {}
     _tokens(plan, kw, "input_ids", "inputs_embeds", pad_id)
-    meta = _meta(plan, mask, doc, b, device)
+    meta = _meta(plan, mask, doc, b, device, blocks)
     # a 2D mask keeps transformers from re-detecting packing on the local positions; our attention
     # takes its masks from the context
     kw["attention_mask"] = (

@@ -14,6 +14,7 @@ from ...memory.offload import LayerInputOffload, OffloadLayers
 from ...parallel.layout import ParallelLayout
 from ...parallel.sharding import ShardPlan
 from ..families import ModelFamily, pad_token_id, unwrap
+from . import front_masks
 from .context import ForwardContext
 from .loss import TILED_LOSS_CHUNK_ELEMENTS, TILED_LOSS_MIN_ELEMENTS
 from .rng import LayerDropSync
@@ -136,9 +137,11 @@ class PatchState:
     @contextlib.contextmanager
     def running(self, ctx: ForwardContext):
         previous, self.active = self.active, ctx
+        token = front_masks.SHARDED.set(True)  # the masks made inside need none (`registry.sp_mask`)
         try:
             yield
         finally:
+            front_masks.SHARDED.reset(token)
             self.active = previous
 
 

@@ -218,7 +218,7 @@ class Run:
         # it instead of the token-local stand-in (models/proof/packed_probe.py); None: the stand-in
         self.real = real
         self.attention: list[dict] = []  # one record per attention call
-        self.masks: dict[int, tuple] = {}  # id of a mask tensor we returned -> (tensor, pattern)
+        self.masks: dict[int, tuple] = {}  # id of a mask tensor we returned -> (tensor, pattern, its padding mask)
 
     def mask(
         self,
@@ -261,7 +261,7 @@ class Run:
             mask = None
         if mask is None:
             mask = torch.ones(batch_size, 1, q_length, kv_length, dtype=torch.bool)
-        self.masks[id(mask)] = (mask, pattern)
+        self.masks[id(mask)] = (mask, pattern, attention_mask)
         return mask
 
     def attend(self, module, query, key, value, attention_mask, **kwargs):

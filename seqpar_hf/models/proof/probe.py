@@ -186,6 +186,7 @@ def observe(pretrained: PreTrainedModel, kind: str, pad_id: int, original: str |
             "This model cannot be checked, so it is not patched",
         )
     sequence = [c for c in run.attention if c["q_side"] is not None]
+    recorder.masks = run.masks
     backbone_name, backbone_call = _backbone(pretrained, guess, recorder, sequence, names)
     backbone = pretrained.get_submodule(backbone_name) if backbone_name else pretrained
     observed = Observed(backbone, backbone_name, run.attention, sizes)
@@ -193,6 +194,11 @@ def observe(pretrained: PreTrainedModel, kind: str, pad_id: int, original: str |
     observed.no_front = getattr(recorder, "no_front", "")
     # what the backbone was called with (the backbone itself: what the dry run passed it)
     called = _named(backbone.forward, *backbone_call[1:]) if backbone_call else dict(kwargs)
+    front = (
+        _front_masks(called["attention_mask"], run.masks) if isinstance(called.get("attention_mask"), dict) else None
+    )
+    if front is not None:  # the padding mask the front's masks were made of, as the sharded forward takes it
+        called["attention_mask"] = front[0]
     observed.full = (recorder, batch, lengths, called)
     if head is not None and "hidden" in captured and getattr(out, "logits", None) is not None:
         observed.head_logits = (captured["hidden"], out.logits)
@@ -256,8 +262,12 @@ def _inner_text_model(pretrained, recorder, attention: set, holding: tuple):
     if len(inner) != 1:
         return name, holding
     call = _named(pretrained.get_submodule(inner[0][0]).forward, *inner[0][1:])
+    made = getattr(recorder, "masks", {})  # the masks the dry run's mask function made (the front's)
     unsharded = sorted(
-        k for k, v in call.items() if isinstance(v, dict) or (isinstance(v, torch.Tensor) and k not in SHARDED_INPUTS)
+        k
+        for k, v in call.items()
+        if (isinstance(v, dict) and not (k == "attention_mask" and _front_masks(v, made) is not None))
+        or (isinstance(v, torch.Tensor) and k not in SHARDED_INPUTS)
     )
     if unsharded:  # it is handed what it cannot shard (prepared masks): the images stay refused, saying why
         recorder.no_front = (
@@ -267,6 +277,20 @@ def _inner_text_model(pretrained, recorder, attention: set, holding: tuple):
         )
         return name, holding
     return inner[0][0], inner[0]
+
+
+def _front_masks(masks: dict, made: dict):
+    """(the padding mask a dict of masks was made of,) when every one is a mask the dry run's mask function made
+    from the same padding mask (a front preparing its text model's masks: Gemma 3); else None. Under SP they
+    come deferred, and the text model's forward reads them the same way (`forward/front_masks.py`)."""
+    records = [made.get(id(m)) for m in masks.values()]
+    if not records or any(r is None or r[0] is not m for r, m in zip(records, masks.values())):
+        return None
+    padding = records[0][2]
+    for r in records[1:]:
+        if not (r[2] is padding or (r[2] is not None and padding is not None and torch.equal(r[2], padding))):
+            return None
+    return (padding,)
 
 
 def _idle(pretrained, recorder, name: str) -> tuple[str, ...]:
