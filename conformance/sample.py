@@ -80,7 +80,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group: by heads, norm summed
     # vision-language models with images (Qwen2.5-VL, Qwen3-VL, LLaVA: tests/test_vlm_gloo.py)
     ("idefics3", "Idefics3ForConditionalGeneration", ("ring",), (IM,)),  # images [rows, n, c, h, w]; eval makes a cache
-    ("gemma3", "Gemma3ForConditionalGeneration", ("ulysses",), (IM,)),  # refused: its text model gets prepared masks
+    ("gemma3", "Gemma3ForConditionalGeneration", ("ulysses",), (IM,)),  # image blocks that see each other both ways
     # refused at patch_model, naming the module and why
     ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
     ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named
@@ -125,7 +125,6 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("pegasus_x", "ulysses"): "model.encoder.embed_positions (PegasusXSinusoidalPositionalEmbedding) fails on a shard",
     ("blt", "ulysses"): "(BltCrossAttention) attends to keys that are not a sequence of the model",
     ("whisper", "ulysses"): "against the label at the same position (no shift)",
-    ("gemma3", "ulysses", IM): "images are merged into the text before its text model, but its text model",
 }
 
 # rows that fail today, by (model_type, layout, variant), with their root cause: xfail(strict=True) in

@@ -366,6 +366,36 @@ def test_chunks_count_from_each_rows_first_real_token():
     assert chunked(packed, 4, 1, None).doc.tolist() == [[0, 0, 0, 0, 1, 1, 2, 2]]  # chunks restart per document
 
 
+def test_image_blocks_read_exactly_and_masked_so():
+    """Gemma 3's masks (causal, or both tokens in one image's block; inside the sliding window on its local
+    layers) are read off the mask function as blocks, and the kernels' masks are exactly the model's on every
+    pair, at every ring block too; a pattern that is neither is refused by name."""
+    from transformers import masking_utils as m
+
+    from seqpar_hf.attention.mask_patterns import read_blocks
+    from seqpar_hf.models.forward import front_masks
+    from seqpar_hf.models.generation.decoding import DeferredMask
+
+    ids = torch.full((2, 21), -1)
+    ids[0, 3:8], ids[0, 10:12], ids[1, 15:21] = 0, 1, 0  # blocks of 5 and 2 tokens; one at a row's end
+    full = m.or_masks(m.causal_mask_function, m.blockwise_overlay(ids))
+    sliding = m.and_masks(full, m.sliding_window_overlay(4))
+    b, q, kv = torch.arange(2)[:, None, None], torch.arange(21)[None, :, None], torch.arange(21)[None, None, :]
+    for fn, window in ((full, None), (sliding, 4)):
+        pattern, blocks = read_blocks(fn, 2, 21)
+        assert pattern == (True, window) and torch.equal(blocks >= 0, ids >= 0)
+        meta = SeqMeta(ShardPlan.build(21, 2, 0), None, None, blocks)
+        spec = MaskSpec(meta, meta, causal=True, window=window)
+        want = fn(b, 0, q, kv)
+        assert torch.equal(spec.block_mask(torch.arange(21), torch.arange(21))[:, 0], want)
+        shard = torch.tensor([0, 1, 2, 19, 20])  # a zigzag rank's queries against a later block of keys
+        assert torch.equal(spec.block_mask(shard, torch.arange(5, 12))[:, 0], want[:, shard][:, :, 5:12])
+    prefix = lambda b, h, q, kv: (kv <= q) | (q + kv == 7)  # noqa: E731 - a pattern of no kind here
+    assert read_blocks(prefix, 1, 12) is None
+    with pytest.raises(NotImplementedError, match="blocks of tokens .images. see each other both ways.*'<lambda>'"):
+        front_masks.take({"full": DeferredMask((1, 12, 12, 0, 0, prefix, None), {})}, lambda *a: None)
+
+
 def test_bidirectional_window_mask():
     plan = ShardPlan.build(7, 1, 0)
     meta = SeqMeta(plan, None, None)
