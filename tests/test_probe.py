@@ -390,7 +390,7 @@ def test_image_blocks_read_exactly_and_masked_so():
         assert torch.equal(spec.block_mask(torch.arange(21), torch.arange(21))[:, 0], want)
         shard = torch.tensor([0, 1, 2, 19, 20])  # a zigzag rank's queries against a later block of keys
         assert torch.equal(spec.block_mask(shard, torch.arange(5, 12))[:, 0], want[:, shard][:, :, 5:12])
-    prefix = lambda b, h, q, kv: (kv <= q) | (q + kv == 7)  # noqa: E731 - a pattern of no kind here
+    prefix = lambda b, h, q, kv: (kv <= q) | (q + kv == 7)  # a pattern of no kind here
     assert read_blocks(prefix, 1, 12) is None
     with pytest.raises(NotImplementedError, match="blocks of tokens .images. see each other both ways.*'<lambda>'"):
         front_masks.take({"full": DeferredMask((1, 12, 12, 0, 0, prefix, None), {})}, lambda *a: None)
