@@ -1,8 +1,10 @@
-"""Token mixers under SP, per gated-DeltaNet layer and rank: activation bytes saved for backward, bytes each rank
-sends in the mixer's forward collectives (the backward mirrors them), and the mixer's forward time, for each
-path (models/mixers/): split by heads, run whole, and one process without SP.
+"""Token mixers under SP, per mixer layer and rank: activation bytes saved for backward, bytes each rank sends in
+the mixer's forward collectives (the backward mirrors them), and the mixer's forward time, for each path
+(models/mixers/): split along the sequence with a convolution halo, split by heads (or channels), run whole, and
+one process without SP.
 
     python -m benchmarks.mixers                   # 4096 / 8192 / 16384 tokens, sp 1, 2, 4; ~10 min on 2 CPU cores
+    python -m benchmarks.mixers --mixer lfm2      # LFM2's gated short convolution: halo, channels, whole
     python -m benchmarks.mixers --quick           # 256 tokens, prints the tables, writes nothing
 
 The model: a Qwen3.5 text model from a config (hidden 512, two layers: gated DeltaNet then full attention,
@@ -37,31 +39,51 @@ MODEL = dict(
     layer_types=["linear_attention", "full_attention"],
     num_hidden_layers=2,
 )
-MIXER = "model.layers.0.linear_attn"
+MIXERS = {"qwen3_5": "model.layers.0.linear_attn", "lfm2": "model.layers.0.conv"}
+PATHS = {"qwen3_5": ("heads", "whole"), "lfm2": ("halo", "heads", "whole")}
+LFM2 = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=1024,
+    num_hidden_layers=2,
+    layer_types=["conv", "full_attention"],
+    conv_L_cache=3,
+)
 
 
-def build(seq_len: int):
+def build(seq_len: int, mixer: str = "qwen3_5"):
+    torch.manual_seed(0)
+    if mixer == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        config = Lfm2Config(**LFM2, max_position_embeddings=max(seq_len, 128), pad_token_id=0)
+        config._attn_implementation = "sdpa"
+        return Lfm2ForCausalLM(config).float().train()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    torch.manual_seed(0)
     config = Qwen3_5TextConfig(**MODEL, max_position_embeddings=max(seq_len, 128), pad_token_id=0)
     config._attn_implementation = "sdpa"
     return Qwen3_5ForCausalLM(config).float().train()
 
 
-def measure(seq_len: int, sp: int, path: str, repeats: int) -> dict:
+def measure(seq_len: int, sp: int, path: str, repeats: int, mixer_kind: str = "qwen3_5") -> dict:
     """One rank's figures (runs in each gloo process)."""
     import seqpar_hf
     from seqpar_hf.models.forward.state import state_of
-    from seqpar_hf.models.mixers import heads
+    from seqpar_hf.models.mixers import halo, heads
 
+    MIXER = MIXERS[mixer_kind]
+    if path in ("heads", "whole"):
+        halo.depthwise_conv = lambda module: None  # as for a mixer without a proven halo
     if path == "whole":
         heads.head_layout = lambda module: None  # as for a mixer without a proven head layout
-    model = build(seq_len)
+    model = build(seq_len, mixer_kind)
     if sp > 1:
         seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=sp), check_inputs=False)
         got = set(state_of(model).mixers.values())
-        assert (got == {"heads"}) == (path == "heads"), got
+        assert (got == {path}) == (path != "whole"), got
     ids = torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     mixer = model.get_submodule(MIXER)
@@ -95,6 +117,7 @@ def measure(seq_len: int, sp: int, path: str, repeats: int) -> dict:
         steps.append(time.perf_counter() - t0)
     sent = sum(v[0] for (phase, label, _), v in meter.totals.items() if label == "mixer")
     return {
+        "mixer": mixer_kind,
         "seq_len": seq_len,
         "sp": sp,
         "path": path if sp > 1 else "one process",
@@ -105,15 +128,15 @@ def measure(seq_len: int, sp: int, path: str, repeats: int) -> dict:
     }
 
 
-def run(seq_lens: list[int], sps: list[int], repeats: int, partial=None) -> list[dict]:
+def run(seq_lens: list[int], sps: list[int], repeats: int, partial=None, mixer: str = "qwen3_5") -> list[dict]:
     """Every (length, sp, path); `partial(records)` after each one (a long run keeps what it measured)."""
     from tests.helpers.spawn import spawn
 
     records = []
     for seq_len in seq_lens:
         for sp in sps:
-            for path in ("heads", "whole") if sp > 1 else ("one",):
-                got = spawn(measure, sp, seq_len, sp, path, repeats, timeout=3600.0)
+            for path in PATHS[mixer] if sp > 1 else ("one",):
+                got = spawn(measure, sp, seq_len, sp, path, repeats, mixer, timeout=3600.0)
                 rec = dict(got[0], per_rank_saved=[g["mixer_saved_bytes"] for g in got])
                 print(
                     f"{seq_len} tokens sp={sp} {rec['path']}: mixer saves {fmt_bytes(rec['mixer_saved_bytes'])}, "
@@ -132,13 +155,15 @@ def main(argv=None) -> None:
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mixer", choices=sorted(MIXERS), default="qwen3_5", help="the mixer layer measured")
     output_options(parser, "mixers", figure=False)
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_lens, args.repeats = [256], 1
     print(environment())
-    path = json_path(args, "mixers")
-    records = run(args.seq_lens, args.sp, args.repeats, partial=(lambda rs: write_json(path, rs)) if path else None)
+    name = "mixers" if args.mixer == "qwen3_5" else f"mixers_{args.mixer}"
+    path = json_path(args, name)
+    records = run(args.seq_lens, args.sp, args.repeats, (lambda rs: write_json(path, rs)) if path else None, args.mixer)
     one = {r["seq_len"]: r for r in records if r["sp"] == 1}
     rows = []
     for r in records:
@@ -168,7 +193,7 @@ def main(argv=None) -> None:
             ],
         )
     )
-    publish("mixers", records, args)
+    publish(name, records, args)
 
 
 if __name__ == "__main__":

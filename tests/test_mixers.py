@@ -131,3 +131,30 @@ def test_olmo_hybrid_deltanet_splits_by_heads():
 def test_modules_of_other_structures_have_no_head_layout():
     assert heads.head_layout(torch.nn.Linear(4, 4)) is None
     assert heads.ranges(5, 2) == [(0, 3), (3, 5)]
+
+
+def test_short_convolution_splits_along_the_sequence_with_a_halo():
+    """LFM2's gated short convolution reaches along the sequence only through its convolution: each shard, given
+    the k - 1 convolution inputs before each of its runs, gives the module's output at its tokens (contiguous and
+    zigzag shards, a left-padded row). A scan (a gated DeltaNet, Mamba2) reaches further: not proven."""
+    from seqpar_hf.models.mixers import halo
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny("lfm2", "Lfm2ForCausalLM")[0].float()
+    module = model.model.layers[0].conv
+    conv = halo.depthwise_conv(module)
+    assert conv is module.conv
+    for n in (2, 3, 4):
+        assert halo.prove(module, module.forward, conv, n) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        granite = build_tiny("granitemoehybrid", "GraniteMoeHybridForCausalLM")[0].float()
+    for mixer in (_mixer("qwen3_next", "Qwen3NextForCausalLM"), granite.model.layers[0].mamba):
+        assert "not its output" in halo.prove(mixer, mixer.forward, halo.depthwise_conv(mixer), 2)
+    # the halo columns: zigzag shards of 2 ranks over 12 tokens (rank 0: 0-2 and 9-11, rank 1: 3-8), kernel 3
+    plan = halo.ShardPlan.build(12, 2, 0, ring_size=2, zigzag=True)
+    h = halo.Halos(plan, 0, 3, None)
+    assert h.runs == [(0, 3, 0), (3, 3, 9)] and h.send.tolist() == [1, 2, 4, 5]  # sends globals 1, 2, 10, 11
+    # run 0 starts the sequence (zeros: column 8, after the 2 x 4 gathered); run 1 takes globals 7, 8 (rank 1's)
+    assert h.take.tolist() == [[8, 8], [4, 5]]

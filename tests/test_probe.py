@@ -382,14 +382,20 @@ def test_image_blocks_read_exactly_and_masked_so():
     sliding = m.and_masks(full, m.sliding_window_overlay(4))
     b, q, kv = torch.arange(2)[:, None, None], torch.arange(21)[None, :, None], torch.arange(21)[None, None, :]
     for fn, window in ((full, None), (sliding, 4)):
-        pattern, blocks = read_blocks(fn, 2, 21)
-        assert pattern == (True, window) and torch.equal(blocks >= 0, ids >= 0)
+        pattern, blocks, docs = read_blocks(fn, 2, 21)
+        assert pattern == (True, window) and torch.equal(blocks >= 0, ids >= 0) and docs is None
         meta = SeqMeta(ShardPlan.build(21, 2, 0), None, None, blocks)
         spec = MaskSpec(meta, meta, causal=True, window=window)
         want = fn(b, 0, q, kv)
         assert torch.equal(spec.block_mask(torch.arange(21), torch.arange(21))[:, 0], want)
         shard = torch.tensor([0, 1, 2, 19, 20])  # a zigzag rank's queries against a later block of keys
         assert torch.equal(spec.block_mask(shard, torch.arange(5, 12))[:, 0], want[:, shard][:, :, 5:12])
+    # packed rows (transformers' mask when positions restart): documents read too, the window inside them
+    starts = torch.zeros(2, 21, dtype=torch.long)
+    starts[:, 9] = 1
+    packed = m.and_masks(sliding, m.packed_sequence_mask_function(starts.cumsum(-1)))
+    pattern, blocks, docs = read_blocks(packed, 2, 21)
+    assert pattern == (True, 4) and docs.tolist() == [[0] * 9 + [1] * 12] * 2
     prefix = lambda b, h, q, kv: (kv <= q) | (q + kv == 7)  # a pattern of no kind here
     assert read_blocks(prefix, 1, 12) is None
     with pytest.raises(NotImplementedError, match="blocks of tokens .images. see each other both ways.*'<lambda>'"):

@@ -139,6 +139,8 @@ EXPECTED = {
     r"merges: build the cache on one node .* and copy it to the others",
     "mixers-cu-seq-lens": r"NotImplementedError: cu_seq_lens_q / max_length_q with token mixers outside attention "
     r"\(Qwen3_5GatedDeltaNet\)",
+    "halo-conv-not-seen": r"RuntimeError: seqpar_hf: Lfm2ShortConv's convolution was not called through "
+    r"torch.nn.functional.conv1d in this forward \(0 calls seen\)",
 }
 # seconds, on the 2-core machine (shared: loads of 10 seen): the check itself; more where a Trainer trains or
 # saves first, and where the process group is torn down (no-process-group)

@@ -185,28 +185,33 @@ def _at(fn, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor 
         return None
 
 
-def with_blocks(causal_window, blocks: torch.Tensor, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
+def with_blocks(causal_window, blocks: torch.Tensor, b, q, kv, docs: torch.Tensor | None = None):
     """The pattern (causal, window) where tokens of one block (`blocks` [rows, S] >= 0) also see each other both
-    ways, inside the window (as transformers composes them: and(window, or(causal, blocks)))."""
+    ways, inside the window (as transformers composes them: and(window, or(causal, blocks))), and inside their
+    document (`docs` [rows, S]: packed rows; None: one per row)."""
     _, window = causal_window
     q_block = blocks[b, q]
     seen = (kv <= q) | ((q_block == blocks[b, kv]) & (q_block >= 0))
+    if docs is not None:
+        seen = seen & (docs[b, q] == docs[b, kv])
     return seen if window is None else seen & (q - kv < window)
 
 
-def read_blocks(mask_function, batch_size: int, length: int) -> tuple[Pattern, torch.Tensor] | None:
-    """((True, window), blocks [batch_size, length] int64: -1 outside blocks) when `mask_function` is causal
-    attention (windowed or not) in which the tokens of contiguous blocks also see each other both ways
-    (Gemma 3's images: `blockwise_overlay`), read on one forward's rows; None when it is not. Blocks are the
-    runs where a query sees the next key. Checked against the function at every block's edges (all pairs of
-    a block and two tokens around it), every block's last query over all keys, each query's next two keys
-    and its window's edge, a 24 x 24 grid from the start and 4,096 random pairs per row."""
+def read_blocks(mask_function, batch_size: int, length: int):
+    """((True, window), blocks [batch_size, length] int64: -1 outside blocks, documents [batch_size, length] or
+    None) when `mask_function` is causal attention (windowed or not, within the documents of packed rows) in
+    which the tokens of contiguous blocks also see each other both ways (Gemma 3's images: `blockwise_overlay`),
+    read on one forward's rows; None when it is not. Blocks are the runs where a query sees the next key;
+    documents start where a query does not see the key before it. Checked against the function at every block's
+    and document's edges, every block's last query over all keys, each query's two keys before and after and
+    its window's edge, a 24 x 24 grid from the start and 4,096 random pairs per row."""
     if length < 2:
         return None
     rows = torch.arange(batch_size)[:, None]
     idx = torch.arange(length)
     band = _at(mask_function, rows, idx[None, :-1], idx[None, 1:])  # [b, S-1]: query i sees key i + 1
-    if band is None:
+    behind = _at(mask_function, rows, idx[None, 1:], idx[None, :-1])  # [b, S-1]: query i + 1 sees key i
+    if band is None or behind is None:
         return None
     inside = torch.zeros(batch_size, length, dtype=torch.bool)
     inside[:, :-1] |= band
@@ -214,16 +219,20 @@ def read_blocks(mask_function, batch_size: int, length: int) -> tuple[Pattern, t
     start = torch.ones(batch_size, length, dtype=torch.bool)
     start[:, 1:] = ~band
     blocks = torch.where(inside, start.long().cumsum(-1) - 1, -1)
-    # the window, off the last query outside any block (its keys' blocks do not apply to it)
+    new_doc = torch.ones(batch_size, length, dtype=torch.bool)
+    new_doc[:, 1:] = ~behind
+    docs = new_doc.long().cumsum(-1) - 1 if bool(new_doc[:, 1:].any()) else None
+    # the window, off the query outside any block farthest into its document (its keys' blocks do not apply)
     window = None
-    outside = (~inside[0]).nonzero().flatten()
-    if outside.numel():
-        q0 = int(outside[-1])
-        seen = _at(mask_function, torch.tensor(0), torch.tensor(q0), idx[: q0 + 1])
+    first = torch.where(new_doc[0], idx, 0).cummax(-1).values  # each token's document start, row 0
+    depth = torch.where(~inside[0], idx - first, -1)
+    if bool((depth >= 0).any()):
+        q0 = int(depth.argmax())
+        seen = _at(mask_function, torch.tensor(0), torch.tensor(q0), idx[int(first[q0]) : q0 + 1])
         if seen is None:
             return None
         unseen = (~seen).nonzero().flatten()
-        window = None if not unseen.numel() else q0 - int(unseen[-1])
+        window = None if not unseen.numel() else q0 - int(first[q0]) - int(unseen[-1])
     pattern: Pattern = (True, window)
     checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for row in range(batch_size):
@@ -236,8 +245,11 @@ def read_blocks(mask_function, batch_size: int, length: int) -> tuple[Pattern, t
             near = torch.arange(max(a - 2, 0), min(e + 2, length))
             checks.append((r, near[:, None], near[None, :]))
             checks.append((r, torch.tensor([e - 1])[:, None], idx[None, :]))
-        ahead = torch.cat([idx[:, None] + 1, idx[:, None] + 2], 1).clamp(max=length - 1)
-        checks.append((r, idx[:, None], ahead))
+        for a in new_doc[row].nonzero().flatten().tolist():
+            near = torch.arange(max(a - 3, 0), min(a + 3, length))
+            checks.append((r, near[:, None], near[None, :]))
+        around = torch.cat([idx[:, None] + d for d in (-2, -1, 1, 2)], 1).clamp(0, length - 1)
+        checks.append((r, idx[:, None], around))
         if window is not None:
             edge = torch.cat([idx[:, None] - window, idx[:, None] - window + 1], 1).clamp(min=0)
             checks.append((r, idx[:, None], edge))
@@ -249,9 +261,9 @@ def read_blocks(mask_function, batch_size: int, length: int) -> tuple[Pattern, t
         )
     for r, q, kv in checks:
         got = _at(mask_function, r, q, kv)
-        if got is None or not torch.equal(got, with_blocks(pattern, blocks, r, q, kv)):
+        if got is None or not torch.equal(got, with_blocks(pattern, blocks, r, q, kv, docs)):
             return None
-    return pattern, blocks
+    return pattern, blocks, docs
 
 
 def _pattern_key(fn):

@@ -53,7 +53,15 @@ def mixers(layout, backbone, chosen: dict) -> None:
     for name, how in chosen.items():
         kinds.setdefault((type(backbone.get_submodule(name)).__name__, how), []).append(name)
     for (kind, how), names in sorted(kinds.items()):
-        if how == "heads":
+        if how == "halo":
+            logger.info(
+                "%d %s layers split along the sequence over the %d ranks of the SP group (their convolution given "
+                "the previous tokens' inputs)",
+                len(names),
+                kind,
+                layout.sp_size,
+            )
+        elif how == "heads":
             logger.info(
                 "%d %s layers split by heads over the %d ranks of the SP group", len(names), kind, layout.sp_size
             )

@@ -106,9 +106,11 @@ class BackboneForward(Wrapper):
                 return self.original(**kwargs)
         if session is not None and not session.prefill_pending():
             return self._decoding_step(session, kwargs)
-        blocks = None
-        if front:  # the padding mask and the blocks that see each other both ways (Gemma 3's images)
-            kwargs["attention_mask"], blocks = front_masks.take(kwargs["attention_mask"], check_mask_pattern)
+        blocks = documents = None
+        if front and state.family.kind == "seq2seq":
+            raise NotImplementedError("seqpar_hf: an encoder-decoder backbone handed masks prepared before it")
+        if front:  # the padding mask, the blocks that see each other both ways (Gemma 3's images), documents
+            kwargs["attention_mask"], blocks, documents = front_masks.take(kwargs["attention_mask"], check_mask_pattern)
         request = state.take_request()  # a language-model forward's, for this call only
         layout, family = state.layout, state.family
         if layout.replica_size > 1:
@@ -144,7 +146,7 @@ class BackboneForward(Wrapper):
             keep_ids=state.keep_ids,
             default_positions=state.default_positions,
             packed=family.packed_rows,
-            **({"blocks": blocks} if blocks is not None else {}),
+            **({"blocks": blocks, "documents": documents} if front else {}),
             use_cache=request.use_cache
             if request is not None
             else session is None and _use_cache(kwargs, family.backbone),

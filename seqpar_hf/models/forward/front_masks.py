@@ -47,16 +47,17 @@ def _arguments(mask: DeferredMask) -> dict:
     return {**{k: p.default for k, p in _NAMES.parameters.items()}, **bound.arguments}
 
 
-def check_deferred(mask: DeferredMask, check) -> torch.Tensor | None:
-    """The blocks [b, kv_length] a deferred mask's function adds to causal attention (None: none), or refuse
-    its pattern: `check(mask_function, attention_mask, batch_size)` for a plain one."""
+def check_deferred(mask: DeferredMask, check) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the blocks [b, kv_length] a deferred mask's function adds to causal attention, the documents of its
+    packed rows), None each where there are none; or refuse its pattern: `check(mask_function,
+    attention_mask, batch_size)` for a plain one."""
     a = _arguments(mask)
     fn, batch = a["mask_function"], int(a["batch_size"])
     if fn is None:
-        return None
+        return None, None
     if read_function(fn) is not None:
         check(fn, a["attention_mask"], batch)
-        return None
+        return None, None
     read = read_blocks(fn, batch, int(a["kv_length"]))
     if read is None:
         name = getattr(fn, "__name__", type(fn).__name__)
@@ -65,14 +66,15 @@ def check_deferred(mask: DeferredMask, check) -> torch.Tensor | None:
             f"in which blocks of tokens (images) see each other both ways; this model asked for another mask "
             f"pattern ({name!r}: prefix or custom masks, or chunks not counted from each row's first real token)"
         )
-    return read[1] if bool((read[1] >= 0).any()) else None
+    return (read[1] if bool((read[1] >= 0).any()) else None), read[2]
 
 
-def take(value, check) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(the padding mask [b, S] or None, blocks [b, S] int64 or None) the prepared masks were made of.
+def take(value, check) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(the padding mask [b, S] or None, blocks [b, S] int64 or None, documents [b, S] or None: packed rows) the
+    prepared masks were made of.
     `check(mask_function, attention_mask, batch_size)` refuses a plain pattern the kernels do not have."""
     masks = list(value.values()) if isinstance(value, dict) else [value]
-    found: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    found: list[tuple] = []
     for mask in masks:
         a = _arguments(mask)
         if int(a["q_offset"]) or int(a["kv_offset"]) or int(a["q_length"]) != int(a["kv_length"]):
@@ -80,18 +82,20 @@ def take(value, check) -> tuple[torch.Tensor | None, torch.Tensor | None]:
                 "seqpar_hf: the text model was handed a mask made for a cache (offsets or a longer key length); "
                 "run such forwards without SP (`with seqpar_hf.sp_disabled(model):`)"
             )
-        found.append((a["attention_mask"], check_deferred(mask, check)))
-    padding, blocks = found[0]
-    for other_padding, other_blocks in found[1:]:
+        found.append((a["attention_mask"], *check_deferred(mask, check)))
+    padding, blocks, docs = found[0]
+    for other_padding, other_blocks, other_docs in found[1:]:
         same_padding = other_padding is padding or (
             other_padding is not None and padding is not None and torch.equal(other_padding, padding)
         )
-        same_blocks = (other_blocks is None and blocks is None) or (
-            other_blocks is not None and blocks is not None and torch.equal(other_blocks, blocks)
-        )
-        if not (same_padding and same_blocks):
+        if not (same_padding and _same(other_blocks, blocks) and _same(other_docs, docs)):
             raise NotImplementedError(
-                "seqpar_hf: the masks a text model was handed differ in their padding or in the blocks of tokens "
-                "that see each other both ways between kinds of layers; sequence parallelism applies one of each"
+                "seqpar_hf: the masks a text model was handed differ in their padding, documents or blocks of "
+                "tokens that see each other both ways between kinds of layers; sequence parallelism applies one "
+                "of each"
             )
-    return padding, blocks
+    return padding, blocks, docs
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

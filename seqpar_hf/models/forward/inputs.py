@@ -217,10 +217,12 @@ def shard_causal(
     packed: dict | None = None,
     use_cache: bool = False,
     blocks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
     `blocks` [b, S]: tokens that see each other both ways inside causal attention (Gemma 3's images, read off
-    the masks its front prepared: `front_masks.py`); -1 outside any block.
+    the masks its front prepared: `front_masks.py`); -1 outside any block. `documents` [b, S]: the packed rows'
+    documents those masks keep apart, which must be the ones the positions say.
     `default_positions`: the rule the backbone makes its own positions by when given none
     (models/forward/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
     refused for this model, and why (`ModelFamily.packed_rows`); checked on the full batch, so every
@@ -249,6 +251,11 @@ def shard_causal(
         doc = documents_from_positions(text.expand(b, -1))
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s, mask is not None)
+    if documents is not None and not (doc is not None and torch.equal(doc.expand(b, -1), documents.to(doc.device))):
+        raise NotImplementedError(
+            "seqpar_hf: the masks the text model was handed keep apart documents its positions do not say; pass "
+            "restarting position_ids for packed rows (or one document per row)"
+        )
     if doc is not None and packed:
         _check_packed(packed, doc, flash_kwargs, use_cache)
     if doc is not None and blocks is not None and bool((doc != doc[:, :1]).any()):

@@ -283,9 +283,10 @@ def _front_masks(masks: dict, made: dict):
     """(the padding mask a dict of masks was made of,) when every one is a mask the dry run's mask function made
     from the same padding mask (a front preparing its text model's masks: Gemma 3); else None. Under SP they
     come deferred, and the text model's forward reads them the same way (`forward/front_masks.py`)."""
-    records = [made.get(id(m)) for m in masks.values()]
-    if not records or any(r is None or r[0] is not m for r, m in zip(records, masks.values())):
+    found = [made.get(id(m)) for m in masks.values()]
+    if not found or any(r is None or r[0] is not m for r, m in zip(found, masks.values())):
         return None
+    records: list[tuple] = [r for r in found if r is not None]
     padding = records[0][2]
     for r in records[1:]:
         if not (r[2] is padding or (r[2] is not None and padding is not None and torch.equal(r[2], padding))):
