@@ -308,19 +308,28 @@ def bad_inputs():
     results["mixers-cu-seq-lens"] = attempt(mixers_with_cu_seq_lens)
 
     def halo_conv_not_seen():  # a fused kernel (causal-conv1d) computing the convolution without its halo
+        import copy
+        import warnings
+
         import transformers.models.lfm2.modeling_lfm2 as lfm2
 
         from conformance.tiny import build_tiny
 
-        model = seqpar_hf.patch_model(build_tiny("lfm2", "Lfm2ForCausalLM")[0].float(), layout)
+        plain = build_tiny("lfm2", "Lfm2ForCausalLM")[0].float()
+        model = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
         assert set(seqpar_hf.models.patch.state_of(model).mixers.values()) == {"halo"}  # split along the sequence
         ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(0))
         original = lfm2.causal_conv1d_fn
         lfm2.causal_conv1d_fn = lambda x, w, b=None, **kw: x * w[..., -1:] + (0 if b is None else b[:, None])
         try:
-            model(input_ids=ids, labels=ids)
+            want = plain(input_ids=ids, labels=ids).loss
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = model(input_ids=ids, labels=ids).loss
         finally:
             lfm2.causal_conv1d_fn = original
+        assert abs(float(got) - float(want)) < 1e-6, (float(got), float(want))
+        assert any("ran in a fused kernel" in str(w.message) for w in seen), [str(w.message) for w in seen]
 
     results["halo-conv-not-seen"] = attempt(halo_conv_not_seen)
 

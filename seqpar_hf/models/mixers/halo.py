@@ -12,7 +12,8 @@ gradients over the group and each rank keeps its own.
 Where the convolution is: the depthwise `nn.Conv1d` child with k - 1 padding, whose weight the module's code
 hands `torch.nn.functional.conv1d` (directly, or through the module's own call); that call is intercepted
 (a `TorchFunctionMode` for the module's forward). A forward in which it is not seen (a fused CUDA kernel,
-causal-conv1d) raises rather than return numbers computed without the halo. At `patch_model` the split is proven
+causal-conv1d, computed it without the halo) is thrown away and the mixer runs whole from then on, with a
+warning (every rank takes the same path: no collective ran). At `patch_model` the split is proven
 on a padded random batch for contiguous and zigzag shards of every sp: the shards' outputs, run one by one in one
 process with the halos their neighbours give, are the module's own output at their tokens; else the mixer runs
 as before (split by heads or whole). Generation's prompt forward (the cache keeps the whole sequence's last
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from typing import cast
 
 import torch
@@ -155,12 +157,13 @@ class HaloMixer(GatheredMixer):
         super().__init__(state, original, side, holder)
         self.module, self.conv = module, conv
         self._halos: dict = {}
+        self.whole = False  # set when a fused kernel is seen computing the convolution: whole from then on
 
     def __call__(self, *args, **kwargs):
         ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
         if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
-        if self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):
+        if self.whole or self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):
             return super().__call__(*args, **kwargs)  # the cache takes the whole sequence's last inputs
         layout, plan = ctx.layout, ctx.plan(self.side)
         key = (plan.length, plan.padded, plan.zigzag, plan.ring_size)
@@ -172,12 +175,19 @@ class HaloMixer(GatheredMixer):
         mode = ConvWithHalo(self.conv, halos, lambda e: _AllGatherColumns.apply(e, group, rank))
         with mode:
             out = self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+        if mode.seen == 0:  # a fused kernel (causal-conv1d on CUDA) ran it without the halo: every rank alike
+            if not self.whole:
+                self.whole = True
+                warnings.warn(
+                    f"seqpar_hf: {type(self.module).__name__}'s convolution ran in a fused kernel, not through "
+                    "torch.nn.functional.conv1d: it runs on the whole sequence on every rank instead of with a halo",
+                    stacklevel=2,
+                )
+            return super().__call__(*args, **kwargs)
         if mode.seen != 1:
             raise RuntimeError(
-                f"seqpar_hf: {type(self.module).__name__}'s convolution was not called through "
-                f"torch.nn.functional.conv1d in this forward ({mode.seen} calls seen): a fused kernel (causal-conv1d) "
-                "would run it without the tokens of the previous rank. Uninstall that kernel, or patch with the "
-                "mixer run whole"
+                f"seqpar_hf: {type(self.module).__name__} called its convolution {mode.seen} times in one forward; "
+                "the halo was proven for one call"
             )
         return out
 
