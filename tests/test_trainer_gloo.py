@@ -15,7 +15,7 @@ KEYS = ("loss", "grad_norm", "eval_loss", "learning_rate", "epoch")
 
 @pytest.fixture(scope="module")
 def reference():
-    keys = [("marian", 0.0), ("marian", 0.1), ("t5", 0.0), ("vlm", 0.0)]
+    keys = [("marian", 0.0), ("marian", 0.1), ("t5", 0.0), ("vlm", 0.0), ("granitemoehybrid", 0.0)]
     logs = spawn(run_many, 1, [dict(sp=0, batch=8, family=f, label_smoothing=ls) for f, ls in keys])[0]
     return dict(zip(keys, logs))
 

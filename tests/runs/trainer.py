@@ -11,7 +11,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallba
 
 import seqpar_hf
 
-from ..helpers.models import VOCAB, build_model
+from ..helpers.models import SEQ2SEQ, VOCAB, build_model
 
 
 def synthetic_dataset(n: int, seed: int) -> Dataset:
@@ -40,6 +40,15 @@ def collate(features):
         "labels": labels,
         "decoder_input_ids": decoder_input_ids,
     }
+
+
+def collate_causal(features):
+    """A decoder-only model's rows: the source tokens, then the target; the loss on all of them."""
+    rows = [f["input_ids"] + f["labels"] for f in features]
+    longest = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (longest - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class Recorder(TrainerCallback):
@@ -99,7 +108,11 @@ def make_trainer(
     common.update(extra or {})
     recorder = Recorder()
     kwargs = dict(
-        model=model, train_dataset=train, eval_dataset=evaluation, data_collator=collate, callbacks=[recorder]
+        model=model,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collate if family in SEQ2SEQ else collate_causal,
+        callbacks=[recorder],
     )
     if sp == 0:
         trainer = Seq2SeqTrainer(args=Seq2SeqTrainingArguments(**common), **kwargs)
@@ -251,6 +264,8 @@ SETUPS = {
     "sp2-ga2": (2, dict(sp=2, batch=4, accumulation=2, eval_batch=8)),
     "tp2": (2, dict(sp=1, tp=2, batch=8)),
     "sp2xdp2": (4, dict(sp=2, batch=4, eval_batch=4)),
+    # Granite 4: Mamba2 mixers split by heads with the gated norm's sums all-reduced, MoE, attention
+    "sp2xdp2-granite4": (4, dict(sp=2, batch=4, eval_batch=4, family="granitemoehybrid")),
     "tp2xsp2": (4, dict(sp=2, tp=2, batch=8)),
     "sp2xdp2-fsdp": (4, dict(sp=2, batch=4, eval_batch=4, extra=dict(fsdp="full_shard"))),
     "tp2xsp2-fsdp": (4, dict(sp=2, tp=2, batch=8, extra=dict(fsdp="full_shard"))),
