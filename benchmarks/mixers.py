@@ -5,6 +5,7 @@ one process without SP.
 
     python -m benchmarks.mixers                   # 4096 / 8192 / 16384 tokens, sp 1, 2, 4; ~10 min on 2 CPU cores
     python -m benchmarks.mixers --mixer lfm2      # LFM2's gated short convolution: halo, channels, whole
+    python -m benchmarks.mixers --mixer granite4  # Granite 4's Mamba2: by heads, whole
     python -m benchmarks.mixers --quick           # 256 tokens, prints the tables, writes nothing
 
 The model: a Qwen3.5 text model from a config (hidden 512, two layers: gated DeltaNet then full attention,
@@ -39,8 +40,26 @@ MODEL = dict(
     layer_types=["linear_attention", "full_attention"],
     num_hidden_layers=2,
 )
-MIXERS = {"qwen3_5": "model.layers.0.linear_attn", "lfm2": "model.layers.0.conv"}
-PATHS = {"qwen3_5": ("heads", "whole"), "lfm2": ("halo", "heads", "whole")}
+MIXERS = {"qwen3_5": "model.layers.0.linear_attn", "lfm2": "model.layers.0.conv", "granite4": "model.layers.0.mamba"}
+PATHS = {"qwen3_5": ("heads", "whole"), "lfm2": ("halo", "heads", "whole"), "granite4": ("heads", "whole")}
+GRANITE4 = dict(  # Granite 4's Mamba2 (one group, 128 heads of 64, state 256) scaled to hidden 512
+    hidden_size=512,
+    intermediate_size=1024,
+    shared_intermediate_size=1024,
+    num_local_experts=0,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=1024,
+    num_hidden_layers=2,
+    layer_types=["mamba", "attention"],
+    mamba_n_heads=16,
+    mamba_d_head=64,
+    mamba_n_groups=1,
+    mamba_d_state=64,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=256,
+)
 LFM2 = dict(
     hidden_size=512,
     intermediate_size=1024,
@@ -55,6 +74,12 @@ LFM2 = dict(
 
 def build(seq_len: int, mixer: str = "qwen3_5"):
     torch.manual_seed(0)
+    if mixer == "granite4":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(**GRANITE4, max_position_embeddings=max(seq_len, 128), pad_token_id=0)
+        config._attn_implementation = "sdpa"
+        return GraniteMoeHybridForCausalLM(config).float().train()
     if mixer == "lfm2":
         from transformers import Lfm2Config, Lfm2ForCausalLM
 
