@@ -372,7 +372,7 @@ def test_image_blocks_read_exactly_and_masked_so():
     pair, at every ring block too; a pattern that is neither is refused by name."""
     from transformers import masking_utils as m
 
-    from seqpar_hf.attention.mask_patterns import read_blocks
+    from seqpar_hf.attention.mask_patterns import check_mask_pattern, read_blocks
     from seqpar_hf.models.forward import front_masks
     from seqpar_hf.models.generation.decoding import DeferredMask
 
@@ -399,7 +399,7 @@ def test_image_blocks_read_exactly_and_masked_so():
     prefix = lambda b, h, q, kv: (kv <= q) | (q + kv == 7)  # a pattern of no kind here
     assert read_blocks(prefix, 1, 12) is None
     with pytest.raises(NotImplementedError, match="blocks of tokens .images. see each other both ways.*'<lambda>'"):
-        front_masks.take({"full": DeferredMask((1, 12, 12, 0, 0, prefix, None), {})}, lambda *a: None)
+        front_masks.take({"full": DeferredMask((1, 12, 12, 0, 0, prefix, None), {})}, check_mask_pattern)
 
 
 def test_bidirectional_window_mask():

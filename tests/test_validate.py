@@ -149,3 +149,52 @@ def test_multi_axis_positions_are_refused_by_name():
     values = validate.extremes("causal", kw, None, None, torch.device("cpu")).tolist()
     with pytest.raises(NotImplementedError, match=r"position_ids of shape \(3, 3, 11\): multi-axis positions"):
         validate.check(inspect_model(llama), kw, None, None, values)
+
+
+def test_masks_a_front_prepared_are_read_or_refused():
+    """Gemma 3's front hands its text model masks with image blocks: patched (sp=1, the same path as a group's)
+    its loss and gradients are the unpatched model's; what the sharded attention cannot apply as the masks say is
+    refused before sharding, on the full batch (so on every rank alike): packed rows whose full and sliding masks
+    keep documents apart differently (transformers' own masks here), packed rows with image blocks, masks whose
+    documents are not the positions', masks that differ in padding."""
+    import copy
+
+    import seqpar_hf
+    from conformance.images import image_batch, tiny_vlm
+    from seqpar_hf.models.forward import front_masks
+    from seqpar_hf.models.forward.inputs import shard_causal
+    from seqpar_hf.models.generation.decoding import DeferredMask
+
+    model = tiny_vlm("gemma3", "Gemma3ForConditionalGeneration")
+    reference = copy.deepcopy(model)
+    batch = image_batch(model)
+    seqpar_hf.patch_model(model, seqpar_hf.ParallelLayout(sp_size=1))
+    out, want = model(**batch), reference(**batch)
+    out.loss.backward(), want.loss.backward()
+    assert abs(float(out.loss) - float(want.loss)) < 1e-6
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            assert float((p.grad - q.grad).abs().max()) <= 1e-5 * max(float(q.grad.abs().max()), 1e-4), name
+    one = image_batch(reference, rows=((0,),))
+    length = one["input_ids"].shape[1]
+    packed = {k: v for k, v in one.items() if k != "attention_mask"}
+    packed["position_ids"] = torch.cat([torch.arange(length - 5), torch.arange(5)])[None]
+    with pytest.raises(NotImplementedError, match="differ in their padding, documents or blocks"):
+        model(**packed)
+    layout = seqpar_hf.ParallelLayout(sp_size=1)
+    ids = torch.randint(3, 50, (1, 12))
+    restart = {"input_ids": ids, "position_ids": torch.cat([torch.arange(6), torch.arange(6)])[None]}
+    blocks = torch.full((1, 12), -1)
+    blocks[0, 2:5] = 0
+    with pytest.raises(NotImplementedError, match=r"packed rows .* with blocks of tokens"):
+        documents = torch.tensor([[0] * 6 + [1] * 6])  # what the positions say
+        shard_causal(layout, dict(restart), 0, False, blocks=blocks, documents=documents, front=True)
+    with pytest.raises(NotImplementedError, match=r"other documents than its positions say \(none in the masks"):
+        shard_causal(layout, dict(restart), 0, False, documents=None, front=True)
+    causal = lambda b, h, q, kv: kv <= q
+    masks = {
+        "full_attention": DeferredMask((1, 12, 12, 0, 0, causal, torch.ones(1, 12)), {}),
+        "sliding_attention": DeferredMask((1, 12, 12, 0, 0, causal, torch.zeros(1, 12)), {}),
+    }
+    with pytest.raises(NotImplementedError, match="differ in their padding"):
+        front_masks.take(masks, lambda *a: None)

@@ -146,7 +146,7 @@ class BackboneForward(Wrapper):
             keep_ids=state.keep_ids,
             default_positions=state.default_positions,
             packed=family.packed_rows,
-            **({"blocks": blocks, "documents": documents} if front else {}),
+            **({"blocks": blocks, "documents": documents, "front": True} if front else {}),
             use_cache=request.use_cache
             if request is not None
             else session is None and _use_cache(kwargs, family.backbone),

@@ -218,11 +218,13 @@ def shard_causal(
     use_cache: bool = False,
     blocks: torch.Tensor | None = None,
     documents: torch.Tensor | None = None,
+    front: bool = False,
 ) -> ForwardContext:
     """Shard a decoder-only backbone's inputs in place; return the forward's context.
     `blocks` [b, S]: tokens that see each other both ways inside causal attention (Gemma 3's images, read off
     the masks its front prepared: `front_masks.py`); -1 outside any block. `documents` [b, S]: the packed rows'
-    documents those masks keep apart, which must be the ones the positions say.
+    documents those masks keep apart (None: none); with `front` (the masks were prepared) they must be the ones the
+    positions say, none included: the unpatched model attends by those masks.
     `default_positions`: the rule the backbone makes its own positions by when given none
     (models/forward/default_positions.py), applied here to the full batch. `packed`: the kinds of packed rows
     refused for this model, and why (`ModelFamily.packed_rows`); checked on the full batch, so every
@@ -251,10 +253,15 @@ def shard_causal(
         doc = documents_from_positions(text.expand(b, -1))
     if cu is not None:
         doc = _check_cu_seq_lens(cu, doc, b, s, mask is not None)
-    if documents is not None and not (doc is not None and torch.equal(doc.expand(b, -1), documents.to(doc.device))):
+    if front and not (
+        (doc is None and documents is None)
+        or (doc is not None and documents is not None and torch.equal(doc.expand(b, -1), documents.to(doc.device)))
+    ):
         raise NotImplementedError(
-            "seqpar_hf: the masks the text model was handed keep apart documents its positions do not say; pass "
-            "restarting position_ids for packed rows (or one document per row)"
+            "seqpar_hf: the masks the text model was handed keep apart other documents than its positions say "
+            f"({'none' if documents is None else 'some'} in the masks, "
+            f"{'none' if doc is None else 'some'} by the positions): the unpatched model attends by the masks, "
+            "which sequence parallelism cannot reproduce here; pass one document per row with an attention_mask"
         )
     if doc is not None and packed:
         _check_packed(packed, doc, flash_kwargs, use_cache)
