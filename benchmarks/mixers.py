@@ -1,18 +1,19 @@
 """Token mixers under SP, per mixer layer and rank: activation bytes saved for backward, bytes each rank sends in
 the mixer's forward collectives (the backward mirrors them), and the mixer's forward time, for each path
-(models/mixers/): split along the sequence with a convolution halo, split by heads (or channels), run whole, and
-one process without SP.
+(models/mixers/): split along the sequence (a convolution halo, the scan's state passed), split by heads (or
+channels), run whole, and one process without SP.
 
     python -m benchmarks.mixers                   # 4096 / 8192 / 16384 tokens, sp 1, 2, 4; ~10 min on 2 CPU cores
-    python -m benchmarks.mixers --mixer lfm2      # LFM2's gated short convolution: halo, channels, whole
-    python -m benchmarks.mixers --mixer granite4  # Granite 4's Mamba2: by heads, whole
+    python -m benchmarks.mixers --mixer lfm2      # LFM2's gated short convolution: sequence (halo), channels, whole
+    python -m benchmarks.mixers --mixer granite4  # Granite 4's Mamba2: sequence, by heads, whole
     python -m benchmarks.mixers --quick           # 256 tokens, prints the tables, writes nothing
 
 The model: a Qwen3.5 text model from a config (hidden 512, two layers: gated DeltaNet then full attention,
 key heads 4 / value heads 8 of width 64 as Qwen3-Next's 16 / 32 of 128 scaled down, vocab 1024), fp32,
 batch 1, in gloo processes of one thread each (sp=4 runs 4 processes on 2 cores: its times are not a
-speed). The run-whole path is the one a mixer takes when no head layout is proven (Jamba, Granite 4, Kimi
-Linear, ...): here forced by hiding the head layout, on the same model.
+speed). The by-heads path is the one a mixer takes where the split along the sequence is not proven, the
+run-whole path the one where no head layout is either (Jamba's Mamba): here forced by hiding them, on the same
+model.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ MODEL = dict(
     num_hidden_layers=2,
 )
 MIXERS = {"qwen3_5": "model.layers.0.linear_attn", "lfm2": "model.layers.0.conv", "granite4": "model.layers.0.mamba"}
-PATHS = {"qwen3_5": ("heads", "whole"), "lfm2": ("halo", "heads", "whole"), "granite4": ("heads", "whole")}
+PATHS = {kind: ("sequence", "heads", "whole") for kind in MIXERS}
 GRANITE4 = dict(  # Granite 4's Mamba2 (one group, 128 heads of 64, state 256) scaled to hidden 512
     hidden_size=512,
     intermediate_size=1024,
@@ -97,11 +98,12 @@ def measure(seq_len: int, sp: int, path: str, repeats: int, mixer_kind: str = "q
     """One rank's figures (runs in each gloo process)."""
     import seqpar_hf
     from seqpar_hf.models.forward.state import state_of
-    from seqpar_hf.models.mixers import halo, heads
+    from seqpar_hf.models.mixers import halo, heads, scan
 
     MIXER = MIXERS[mixer_kind]
-    if path in ("heads", "whole"):
-        halo.depthwise_conv = lambda module: None  # as for a mixer without a proven halo
+    if path in ("heads", "whole"):  # as for a mixer not proven to split along the sequence
+        halo.depthwise_conv = lambda module: None
+        scan.find = lambda module: {}
     if path == "whole":
         heads.head_layout = lambda module: None  # as for a mixer without a proven head layout
     model = build(seq_len, mixer_kind)

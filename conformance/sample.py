@@ -73,11 +73,11 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     # token mixers outside attention (models/mixers/)
     ("lfm2", "Lfm2ForCausalLM", ("ulysses",), (P,)),  # short convolution, split along the sequence with a halo
     ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
-    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet split by heads (+ MoE)
-    ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2 split by head groups
+    ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet: its state passed (+ MoE)
+    ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2: its SSD state passed
     ("zamba2", "Zamba2ForCausalLM", ("ulysses",), (G,)),  # a cache layer holding a mixer's states and keys
     ("zamba", "ZambaForCausalLM", ("ulysses",), (G,)),  # generate refused: shared attention without a layer index
-    ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group: by heads, norm summed
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group, zigzag shards
     # vision-language models with images (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3: tests/test_vlm_gloo.py)
     ("idefics3", "Idefics3ForConditionalGeneration", ("ring",), (IM,)),  # images [rows, n, c, h, w]; eval makes a cache
     # refused at patch_model, naming the module and why

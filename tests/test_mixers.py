@@ -1,4 +1,5 @@
-"""Token mixers outside attention (models/mixers/): the head split of a gated DeltaNet, proven in one process.
+"""Token mixers outside attention (models/mixers/): the split along the sequence (a convolution's halo, a scan's
+state passed) and the split by heads, proven in one process.
 
 The parity of whole models under SP (every mixer kind, every layout) is the zoo sample's
 (conformance/sample.py: LFM2, Jamba, Nemotron-H, Qwen3-Next, Qwen3.5); here the pieces it rests on."""
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conformance.tiny import build_tiny
-from seqpar_hf.models.mixers import heads
+from seqpar_hf.models.mixers import halo, heads, scan, sequence
 
 
 def _mixer(model_type: str, class_name: str):
@@ -136,25 +137,104 @@ def test_modules_of_other_structures_have_no_head_layout():
 def test_short_convolution_splits_along_the_sequence_with_a_halo():
     """LFM2's gated short convolution reaches along the sequence only through its convolution: each shard, given
     the k - 1 convolution inputs before each of its runs, gives the module's output at its tokens (contiguous and
-    zigzag shards, a left-padded row). A scan (a gated DeltaNet, Mamba2) reaches further: not proven."""
-    from seqpar_hf.models.mixers import halo
-
+    zigzag shards, a left-padded row)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build_tiny("lfm2", "Lfm2ForCausalLM")[0].float()
     module = model.model.layers[0].conv
     conv = halo.depthwise_conv(module)
-    assert conv is module.conv
+    assert conv is module.conv and scan.find(module) == {}
     for n in (2, 3, 4):
-        assert halo.prove(module, module.forward, conv, n) is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        granite = build_tiny("granitemoehybrid", "GraniteMoeHybridForCausalLM")[0].float()
-    for mixer in (_mixer("qwen3_next", "Qwen3NextForCausalLM"), granite.model.layers[0].mamba):
-        assert "not its output" in halo.prove(mixer, mixer.forward, halo.depthwise_conv(mixer), 2)
+        assert sequence.prove(module, module.forward, conv, {}, n) is None
     # the halo columns: zigzag shards of 2 ranks over 12 tokens (rank 0: 0-2 and 9-11, rank 1: 3-8), kernel 3
     plan = halo.ShardPlan.build(12, 2, 0, ring_size=2, zigzag=True)
     h = halo.Halos(plan, 0, 3, None)
     assert h.runs == [(0, 3, 0), (3, 3, 9)] and h.send.tolist() == [1, 2, 4, 5]  # sends globals 1, 2, 10, 11
     # run 0 starts the sequence (zeros: column 8, after the 2 x 4 gathered); run 1 takes globals 7, 8 (rank 1's)
     assert h.take.tolist() == [[8, 8], [4, 5]]
+    assert sequence.order(plan) == [(0, 0, 0), (1, 0, 3), (0, 1, 9)]
+
+
+def _ssd(model_type: str, class_name: str, child: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny(model_type, class_name)[0].float()
+    return next(m for n, m in model.named_modules() if n.endswith(f"layers.0.{child}"))
+
+
+@pytest.mark.parametrize(
+    "model_type,class_name,child,found",
+    [
+        ("qwen3_5", "Qwen3_5ForCausalLM", "linear_attn", "torch_chunk_gated_delta_rule"),
+        ("qwen3_next", "Qwen3NextForCausalLM", "linear_attn", "torch_chunk_gated_delta_rule"),
+        ("granitemoehybrid", "GraniteMoeHybridForCausalLM", "mamba", "mamba2_chunk_scan"),
+        ("nemotron_h", "NemotronHForCausalLM", "mixer", "mamba2_chunk_scan"),
+    ],
+)
+def test_scans_split_along_the_sequence_by_passing_their_state(model_type, class_name, child, found):
+    """A gated DeltaNet (Qwen3.5, Qwen3-Next) and a Mamba2 mixer (Granite 4, Nemotron-H): the scan function is
+    found in the module's code (Mamba2's through `mamba2_scan_forward`), and each shard, its convolution given
+    its halo and its scan the state of the tokens before it, gives the module's output, for sp beyond the key
+    heads (2) too; without the convolution's halo, or with the states dropped, it does not."""
+    module = _ssd(model_type, class_name, child)
+    scans, conv = scan.find(module), halo.depthwise_conv(module)
+    assert found in scans and conv is not None
+    for n in (2, 3, 4):
+        assert sequence.prove(module, module.forward, conv, scans, n) is None
+    assert "not its output" in sequence.prove(module, module.forward, conv, {}, 2)
+    from seqpar_hf.parallel.sharding import ShardPlan
+
+    x = torch.randn(2, 11, sequence._width(module), dtype=torch.float64)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    copy = __import__("copy").deepcopy(module).double()
+    with torch.no_grad():
+        want = copy(x, attention_mask=mask)
+        plans = [ShardPlan.build(11, 2, r, ring_size=2, zigzag=True) for r in range(2)]
+        passed = sequence._split_error(copy, copy.forward, halo.depthwise_conv(copy), scans, plans, 3, x, mask, want)
+        dropped = sequence._split_error(
+            copy, copy.forward, halo.depthwise_conv(copy), scans, plans, 3, x, mask, want, drop=True
+        )
+    assert passed < 1e-6 and dropped > 1e3 * passed, (passed, dropped)
+
+
+def toy_scan(query, key, value, g, beta, initial_state=None, output_final_state=False, nonlinear=False):
+    """A delta-rule-shaped recurrence written out token by token: S_t = exp(g_t) S_{t-1} + beta_t k_t v_t^T,
+    o_t = S_t^T q_t; `nonlinear` squashes the carried state (not affine in the initial state)."""
+    b, s, h, dk = key.shape
+    state = initial_state if initial_state is not None else key.new_zeros(b, h, dk, value.shape[-1])
+    outs = []
+    for t in range(s):
+        carried = torch.tanh(state) if nonlinear else state
+        state = carried * g[:, t, :, None, None].exp() + beta[:, t, :, None, None] * (
+            key[:, t, :, :, None] * value[:, t, :, None, :]
+        )
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, query[:, t]))
+    return torch.stack(outs, 1), (state if output_final_state else None)
+
+
+class _ToyMixer(torch.nn.Module):
+    def __init__(self, nonlinear: bool):
+        super().__init__()
+        self.nonlinear = nonlinear
+        self.in_proj = torch.nn.Linear(8, 3 * 8 + 2)
+        self.out_proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, attention_mask=None):
+        b, s, _ = hidden_states.shape
+        q, k, v, a = self.in_proj(hidden_states).split([8, 8, 8, 2], -1)
+        q, k, v = (t.reshape(b, s, 2, 4) for t in (q, k, v))
+        out, _ = toy_scan(q, k, v, -torch.nn.functional.softplus(a), a.sigmoid(), nonlinear=self.nonlinear)
+        return self.out_proj(out.reshape(b, s, 8))
+
+
+def test_a_scan_is_split_only_where_the_split_is_its_output():
+    """Decided by what the code does: a recurrence affine in its state splits along the sequence; the same code
+    with its carried state squashed (not affine) fails the proof, so the mixer runs as before."""
+    for nonlinear, ok in ((False, True), (True, False)):
+        module = _ToyMixer(nonlinear)
+        scans = scan.find(module)
+        assert list(scans) == ["toy_scan"]
+        why = sequence.prove(module, module.forward, None, scans, 2)
+        assert (why is None) == ok, why
+        if not ok:
+            assert "not its output" in why

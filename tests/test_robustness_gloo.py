@@ -202,6 +202,13 @@ def test_a_fused_convolution_kernel_runs_the_halo_mixer_whole(bad):
     assert [rank_results["halo-conv-not-seen"][0] for rank_results in bad] == [None, None]
 
 
+def test_a_scan_unseen_runs_whole_and_the_head_split_still_holds(bad):
+    """Qwen3-Next's scan called where the split does not see it (a fused kernel under another name): redone with
+    the mixer whole, with a warning; the same model with the split along the sequence hidden splits by heads:
+    one process's loss both ways."""
+    assert [rank_results["scan-not-seen-and-heads"][0] for rank_results in bad] == [None, None]
+
+
 def test_the_same_tokenizer_on_every_rank_passes(bad):
     assert [rank_results["tokenizer-same"][0] for rank_results in bad] == [None, None]
 

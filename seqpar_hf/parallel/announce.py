@@ -46,17 +46,18 @@ def layout_applied(layout, model) -> None:
 
 
 def mixers(layout, backbone, chosen: dict) -> None:
-    """How the token mixers outside attention run (models/mixers/): split by heads, or whole and why."""
+    """How the token mixers outside attention run (models/mixers/): split along the sequence, by heads, or whole
+    and why."""
     if not chosen or layout.rank != 0:
         return
     kinds: dict = {}
     for name, how in chosen.items():
         kinds.setdefault((type(backbone.get_submodule(name)).__name__, how), []).append(name)
     for (kind, how), names in sorted(kinds.items()):
-        if how == "halo":
+        if how == "sequence":
             logger.info(
-                "%d %s layers split along the sequence over the %d ranks of the SP group (their convolution given "
-                "the previous tokens' inputs)",
+                "%d %s layers split along the sequence over the %d ranks of the SP group (a convolution given the "
+                "previous tokens' inputs, a scan started from their state)",
                 len(names),
                 kind,
                 layout.sp_size,

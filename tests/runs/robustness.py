@@ -317,7 +317,7 @@ def bad_inputs():
 
         plain = build_tiny("lfm2", "Lfm2ForCausalLM")[0].float()
         model = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
-        assert set(seqpar_hf.models.patch.state_of(model).mixers.values()) == {"halo"}  # split along the sequence
+        assert set(seqpar_hf.models.patch.state_of(model).mixers.values()) == {"sequence"}  # split along the sequence
         ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(0))
         original = lfm2.causal_conv1d_fn
         lfm2.causal_conv1d_fn = lambda x, w, b=None, **kw: x * w[..., -1:] + (0 if b is None else b[:, None])
@@ -329,9 +329,46 @@ def bad_inputs():
         finally:
             lfm2.causal_conv1d_fn = original
         assert abs(float(got) - float(want)) < 1e-6, (float(got), float(want))
-        assert any("ran in a fused kernel" in str(w.message) for w in seen), [str(w.message) for w in seen]
+        assert any("a fused kernel" in str(w.message) for w in seen), [str(w.message) for w in seen]
 
     results["halo-conv-not-seen"] = attempt(halo_conv_not_seen)
+
+    def scan_not_seen_and_heads():  # a fused kernel computing the scan unseen; then the split by heads, in gloo
+        import copy
+        import warnings
+
+        import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+        from conformance.tiny import build_tiny
+        from seqpar_hf.models.mixers import halo, scan
+
+        plain = build_tiny("qwen3_next", "Qwen3NextForCausalLM")[0].float()
+        ids = torch.randint(3, 64, (2, 13), generator=torch.Generator().manual_seed(0))
+        want = plain(input_ids=ids, labels=ids).loss
+        model = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
+        assert set(seqpar_hf.models.patch.state_of(model).mixers.values()) == {"sequence"}
+        original = qwen3_next.torch_chunk_gated_delta_rule
+        fused = original.forward  # the same computation, called where the split does not see it
+        qwen3_next.torch_chunk_gated_delta_rule = lambda *a, **k: fused(*a, **k)
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = model(input_ids=ids, labels=ids).loss
+        finally:
+            qwen3_next.torch_chunk_gated_delta_rule = original
+        assert abs(float(got) - float(want)) < 1e-6, (float(got), float(want))
+        assert any("its scan ran 0 times" in str(w.message) for w in seen), [str(w.message) for w in seen]
+        find, conv = scan.find, halo.depthwise_conv
+        scan.find, halo.depthwise_conv = (lambda module: {}), (lambda module: None)  # not proven along the sequence
+        try:
+            heads = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
+        finally:
+            scan.find, halo.depthwise_conv = find, conv
+        assert set(seqpar_hf.models.patch.state_of(heads).mixers.values()) == {"heads"}
+        got = heads(input_ids=ids, labels=ids).loss
+        assert abs(float(got) - float(want)) < 1e-6, (float(got), float(want))
+
+    results["scan-not-seen-and-heads"] = attempt(scan_not_seen_and_heads)
 
     def custom_attention():
         from transformers import AttentionInterface

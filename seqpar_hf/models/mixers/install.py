@@ -1,29 +1,31 @@
-"""Which way each token mixer of a patched model runs (along the sequence with a convolution halo where
-proven, else split by heads where proven, else whole), installed and logged once at `patch_model`."""
+"""Which way each token mixer of a patched model runs (along the sequence, with a convolution halo and its scan's
+state passed, where proven; else split by heads where proven; else whole), installed and logged once at
+`patch_model`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ...parallel import announce
-from . import gathered, halo, heads
+from . import gathered, halo, heads, scan, sequence
 
 
 def install(state, family, layout) -> dict:
-    """Wrap every mixer of `family`; {path: "halo", "heads" or why it runs whole}. The handles go to state.hooks."""
+    """Wrap every mixer of `family`; {path: "sequence", "heads" or why it runs whole}. The handles go to
+    state.hooks."""
     backbone, chosen, proofs = family.backbone, {}, {}
     for name, side in family.mixers.items():
         module = backbone.get_submodule(name)
-        conv = halo.depthwise_conv(module)
-        if conv is not None:  # proven once per kind of module (its class and shapes: the same code path)
+        conv, scans = halo.depthwise_conv(module), scan.find(module)
+        if conv is not None or scans:  # proven once per kind of module (its class and shapes: the same code path)
             key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()))
             if key not in proofs:
-                proofs[key] = halo.prove(module, module.forward, conv, layout.sp_size)
+                proofs[key] = sequence.prove(module, module.forward, conv, scans, layout.sp_size)
             if proofs[key] is None:
-                make: Callable | None = lambda st, original, s, holder, m=module, c=conv: halo.HaloMixer(
-                    st, m, original, s, holder, c
+                make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans: (
+                    sequence.SequenceMixer(st, m, original, s, holder, c, f)
                 )
-                chosen[name] = "halo"
+                chosen[name] = "sequence"
                 state.hooks += gathered.install(state, module, side, backbone, name, make)
                 continue
         split = heads.head_layout(module)

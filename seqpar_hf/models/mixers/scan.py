@@ -1,0 +1,237 @@
+"""A linear recurrence (a gated delta rule, a Mamba2 / SSD chunked scan) split along the sequence by passing its
+state: each rank runs the model's own scan function on its own runs of tokens, and each run starts from the state
+the tokens before it leave, which the ranks compute together.
+
+The scan's final state is affine in its initial state: S_end = T(S_in) + S0, where S0 is the run's final state from
+a zero start and T acts on the state's key axis only (the value channels of the state evolve independently: a
+gated delta rule's dk x dk product of (I - beta k k^T) exp(g), a Mamba2 head's scalar decay times I_n). So one call
+of the function per run gives both: the value input widened by m zero channels (m = the key axis's size) and the
+initial state widened by the identity there; the widened channels' final state is T, the others' S0 (pass 1).
+Every rank's (S0, T) of each run goes to every rank in one all-gather; each rank folds the runs before its own in
+sequence order, in fp32 (S = T S + S0, from zero at the sequence start), and calls the function again from that
+state (pass 2; the sequence's first run keeps pass 1's outputs). The backward of the all-gather sums the states'
+gradients over the group, each rank keeping its own: the gradient reaches the tokens of every earlier run.
+
+Which function is the scan is read off the module's code: a callable its forward reaches by a global name (through
+the functions of its module that it calls) whose parameters are one of the two kinds below. Nothing is assumed:
+the split is proven at `patch_model` on a copy of the module in float64 (`sequence.prove`) before it is used. A call
+that asks for the final state (a cache) or gives document boundaries (`cu_seqlens`) is not split (`Unsplit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class Unsplit(Exception):
+    """A scan call the state passing does not cover: the forward is redone with the mixer whole."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one kind of scan function is called: its per-token inputs (sequence on dim 1), the value input
+    [b, s, heads, width], the initial-state and final-state flags, and the state's value axis (-1: state
+    [b, h, key, value], the transition multiplies from the left; -2: [b, h, value, key], from the right)."""
+
+    name: str
+    tokens: tuple[str, ...]
+    value: str
+    initial: str
+    final_flag: str
+    value_axis: int
+    key_source: str  # the input whose last dim is the state's key axis
+    pair: bool  # returns (output, final state or None) whether or not asked for the final state
+
+    def matches(self, params: set) -> bool:
+        return {*self.tokens, self.initial, self.final_flag} <= params
+
+
+KINDS = (
+    Kind("gated delta rule", ("query", "key", "value", "g", "beta"), "value", "initial_state",
+         "output_final_state", -1, "key", True),
+    Kind("SSD chunk scan", ("hidden_states", "dt", "B", "C"), "hidden_states", "initial_states",
+         "return_final_states", -2, "B", False),
+)  # fmt: skip
+
+
+def _signature(fn) -> inspect.Signature | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return inspect.signature(getattr(fn, "forward", fn) if isinstance(fn, torch.nn.Module) else fn)
+    return None
+
+
+def _kind(fn) -> Kind | None:
+    sig = _signature(fn) if callable(fn) else None
+    if sig is None:
+        return None
+    params = set(sig.parameters)
+    return next((k for k in KINDS if k.matches(params)), None)
+
+
+def find(module: torch.nn.Module) -> dict[str, Kind]:
+    """{global name: kind} of the scan functions `module`'s forward reaches through its module's functions."""
+    forward = inspect.unwrap(type(module).forward)
+    space = getattr(forward, "__globals__", None)
+    if space is None:
+        return {}
+    found, seen, todo = {}, set(), [forward.__code__]
+    while todo:
+        code = todo.pop()
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                todo.append(const)
+        for name in code.co_names:
+            if name in seen or name not in space:
+                continue
+            seen.add(name)
+            value = space[name]
+            kind = _kind(value) if callable(value) and not isinstance(value, type) else None
+            if kind is not None:
+                found[name] = kind
+                continue
+            for inner in _functions(value):
+                if inner.__globals__ is space:  # a helper of the same module (mamba2_scan_forward)
+                    todo.append(inner.__code__)
+    return found
+
+
+def _functions(value) -> list[types.FunctionType]:
+    """The plain functions behind `value`: itself, or those a kernels-replaceable wrapper (an nn.Module whose
+    forward calls the function it closes over) would call."""
+    if isinstance(value, types.FunctionType):
+        return [inspect.unwrap(value)]
+    if isinstance(value, torch.nn.Module):
+        cells = getattr(type(value).forward, "__closure__", None) or ()
+        return [inspect.unwrap(c.cell_contents) for c in cells if isinstance(c.cell_contents, types.FunctionType)]
+    return []
+
+
+def global_space(module: torch.nn.Module) -> dict:
+    return inspect.unwrap(type(module).forward).__globals__
+
+
+class StatePassing:
+    """While active (a context), the module's scan functions (global names of its modeling module) run split:
+    `runs` are this rank's (local start, length, global start); `gather(x)` all-gathers a [1, 1, w] tensor
+    over the ranks in rank order ([1, 1, sp * w]; the proof's stand-in records); `order` lists every rank's runs
+    as (rank, index, global start)."""
+
+    def __init__(self, space: dict, scans: dict[str, Kind], runs, order, rank: int, gather: Callable):
+        self.space, self.scans, self.runs, self.order, self.rank = space, scans, runs, order, rank
+        self.gather, self.seen = gather, 0
+        self._saved: dict = {}
+        counts: dict = {}
+        for r, _, _ in order:
+            counts[r] = counts.get(r, 0) + 1
+        self.width = max(counts.values())
+
+    def __enter__(self):
+        for name, kind in self.scans.items():
+            original = self.space.get(name)
+            if _kind(original) != kind:  # replaced since it was proven (another kernel): not split, not seen
+                continue
+            self._saved[name] = original
+            self.space[name] = self._wrap(original, kind)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            self.space[name] = original
+        self._saved = {}
+
+    def _wrap(self, original, kind: Kind):
+        sig = _signature(original)
+
+        def split(*args, **kwargs):
+            self.seen += 1
+            bound = sig.bind(*args, **kwargs)
+            call = dict(bound.arguments)
+            extra = call.pop(next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {})
+            call.update(extra)
+            if call.get(kind.initial) is not None or call.get(kind.final_flag):
+                raise Unsplit("a scan given a state or asked for its final state (a cache)")
+            if any(call.get(k) is not None for k in ("cu_seqlens", "seq_idx")):
+                raise Unsplit("a scan given document boundaries")
+            out = self._split(original, kind, call)
+            return (out, None) if kind.pair else out
+
+        return split
+
+    def _split(self, fn, kind: Kind, call: dict):
+        value = call[kind.value]
+        m = call[kind.key_source].shape[-1]
+        dv = value.shape[-1]
+        parts, states = [], []
+        for start, n, _ in self.runs:
+            piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
+            v = piece[kind.value]
+            widened = torch.cat([v, v.new_zeros(*v.shape[:-1], m)], -1)
+            out, final = fn(**{**piece, kind.value: widened, kind.initial: _identity(kind, value, m, dv),
+                               kind.final_flag: True})  # fmt: skip
+            parts.append(out.narrow(-1, 0, dv))
+            states.append(final)
+        flat = torch.stack(states).float() if states[0].dtype != torch.float64 else torch.stack(states)
+        shape = flat.shape
+        pad = self.width - shape[0]
+        sent = torch.cat([flat, flat.new_zeros(pad, *shape[1:])]) if pad else flat
+        everyone = self.gather(sent.reshape(1, 1, -1)).reshape(-1, self.width, *shape[1:])
+        outs = []
+        for (start, n, glob), first in zip(self.runs, parts):
+            incoming = None
+            for r, i, g in self.order:  # the runs before this one, in sequence order
+                if g >= glob:
+                    break
+                s0, t = _split_state(kind, everyone[r, i], dv)
+                incoming = s0 if incoming is None else (_apply(kind, t, incoming) + s0)
+            if incoming is None:  # the sequence's first run: its zero start was pass 1's
+                outs.append(_tie(first, everyone))
+                continue
+            piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
+            out, _ = fn(**{**piece, kind.initial: incoming, kind.final_flag: True})
+            outs.append(out)
+        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
+
+
+def _identity(kind: Kind, value: torch.Tensor, m: int, dv: int) -> torch.Tensor:
+    """The widened initial state: zeros for the value channels, the identity on the m added ones."""
+    b, h = value.shape[0], value.shape[2]
+    dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+    eye = torch.eye(m, dtype=dtype, device=value.device).expand(b, h, m, m)
+    zeros = torch.zeros(b, h, m, dv, dtype=dtype, device=value.device)
+    if kind.value_axis == -1:  # [b, h, key, value]
+        return torch.cat([zeros, eye], -1)
+    return torch.cat([zeros.transpose(-1, -2), eye], -2)  # [b, h, value, key]
+
+
+def _split_state(kind: Kind, state: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S0, T) of a widened final state."""
+    axis = kind.value_axis
+    return state.narrow(axis, 0, dv), state.narrow(axis, dv, state.shape[axis] - dv)
+
+
+def _apply(kind: Kind, t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return t @ s if kind.value_axis == -1 else s @ t
+
+
+class _Tie(torch.autograd.Function):
+    """`x`, made to depend on `other` with a zero gradient: every rank's backward then runs the all-gather's
+    (a collective every rank must join), the sequence's first run included."""
+
+    @staticmethod
+    def forward(ctx, x, other):
+        ctx.shape, ctx.dtype, ctx.device = other.shape, other.dtype, other.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+
+
+def _tie(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return _Tie.apply(x, other) if torch.is_grad_enabled() and other.requires_grad else x

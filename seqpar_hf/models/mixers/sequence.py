@@ -1,0 +1,220 @@
+"""A token mixer split along the sequence: each rank runs the module on its own tokens only, its short causal
+convolution given the inputs before each of the rank's runs (`halo.py`), its scan started from the state the
+tokens before each run leave (`scan.py`). Nothing of the mixer is whole on any rank: its activations are 1/sp, as
+the attention layers'. LFM2's gated short convolutions (a convolution only), a gated DeltaNet (Qwen3.5, Qwen3-Next,
+OLMo-hybrid: a convolution, then a gated delta rule), a Mamba2 mixer (a convolution, then an SSD chunk scan).
+
+At `patch_model` the split is proven on a copy of the module in float64, on a padded random batch, for
+contiguous and zigzag shards of every sp: the shards' outputs, run one by one in one process with the halos and
+states their neighbours give, are the module's own output at their tokens. Where it is not, the mixer runs as
+before (split by heads, or whole). A forward in which the convolution or the scan is not seen where the proof saw
+it (a fused CUDA kernel, causal-conv1d or mamba_ssm, ran it) is thrown away and the mixer runs whole from then on,
+with a warning (every rank takes the same path). Generation's prompt forward (the cache keeps the whole
+sequence's last inputs and state) and a forward given a cache run it whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+from typing import cast
+
+import torch
+from torch import nn
+
+from ...parallel.sharding import ShardPlan
+from ..forward.context import CONTEXT_KWARG, ForwardContext
+from . import halo, scan
+from .gathered import GatheredMixer
+
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+# a scan computes in fp32 whatever its inputs: the proof's tolerance there, and how much larger (and at least how
+# large) the error of the same split with the states not passed must be for the proof to tell the two apart
+SCAN_TOLERANCE, SCAN_MARGIN, SCAN_FLOOR = 2e-5, 10.0, 1e-7
+
+
+def order(plan: ShardPlan) -> list[tuple[int, int, int]]:
+    """(rank, index, global start) of every rank's runs, in sequence order."""
+    return sorted(
+        ((r, i, g) for r in range(plan.sp_size) for i, (_, _, g) in enumerate(halo.runs(plan, r))),
+        key=lambda t: t[2],
+    )
+
+
+class _Modes:
+    """The convolution halo and the state passing of one forward of one rank, entered together."""
+
+    def __init__(self, module, conv, scans, plan: ShardPlan, rank: int, device, gather_columns, gather_states):
+        self.conv = (
+            halo.ConvWithHalo(conv, halo.Halos(plan, rank, conv.kernel_size[0], device), gather_columns)
+            if conv is not None
+            else None
+        )
+        self.scan = (
+            scan.StatePassing(scan.global_space(module), scans, halo.runs(plan, rank), order(plan), rank, gather_states)
+            if scans
+            else None
+        )
+
+    def __enter__(self):
+        if self.conv is not None:
+            self.conv.__enter__()
+        if self.scan is not None:
+            self.scan.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.scan is not None:
+            self.scan.__exit__(*exc)
+        if self.conv is not None:
+            self.conv.__exit__(*exc)
+
+    def seen(self) -> str | None:
+        """None when the convolution and the scan each ran once through what was intercepted; else what ran."""
+        if self.conv is not None and self.conv.seen != 1:
+            return f"its convolution ran {self.conv.seen} times through torch.nn.functional.conv1d"
+        if self.scan is not None and self.scan.seen != 1:
+            return f"its scan ran {self.scan.seen} times through {', '.join(self.scan.scans)}"
+        return None
+
+
+class SequenceMixer(GatheredMixer):
+    """`module.forward` of a mixer proven to split along the sequence (a halo for its convolution, its scan's
+    state passed)."""
+
+    def __init__(self, state, module: nn.Module, original, side: str, holder, conv, scans: dict):
+        super().__init__(state, original, side, holder)
+        self.module, self.conv, self.scans = module, conv, scans
+        self._plans: dict = {}
+        self.whole = False  # set when a fused kernel is seen computing the convolution or scan: whole from then on
+
+    def __call__(self, *args, **kwargs):
+        ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
+        if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
+            return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+        if self.whole or self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):
+            return super().__call__(*args, **kwargs)  # the cache takes the whole sequence's last inputs and state
+        layout, plan = ctx.layout, ctx.plan(self.side)
+        x = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        group, rank = layout.sp_group, layout.sp_rank
+        gather = lambda e: halo._AllGatherColumns.apply(e, group, rank)
+        modes = _Modes(self.module, self.conv, self.scans, plan, rank, x.device, gather, gather)
+        try:
+            with modes:
+                out = self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+            why = modes.seen()
+        except scan.Unsplit as exc:  # the same on every rank: the call's arguments are the group's
+            return self._whole(str(exc), args, kwargs)
+        if why is not None:  # a fused kernel (CUDA) ran it without the halo or the state: every rank alike
+            return self._whole(why, args, kwargs)
+        return out
+
+    def _whole(self, why: str, args, kwargs):
+        if not self.whole:
+            self.whole = True
+            warnings.warn(
+                f"seqpar_hf: {type(self.module).__name__} {why} (a fused kernel?), not as proven at patch_model: "
+                "it runs on the whole sequence on every rank instead of split along it",
+                stacklevel=3,
+            )
+        return super().__call__(*args, **kwargs)
+
+
+def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: int) -> str | None:
+    """None when, for contiguous and zigzag shards over `n` ranks, each shard's output (its halo from its
+    neighbours' convolution inputs, its scan from the state of the tokens before it) is the module's own output
+    at its tokens, on a random batch (two rows, the second left-padded); else why not."""
+    width = _width(module)
+    if width is None:
+        return "has no input width read here"
+    # in float64 on a copy: a scan's reach into the previous shard can be small at initialisation, below an fp32
+    # tolerance; in float64 only rounding is (a scan function computing in fp32 is checked against the same split
+    # with its states dropped: the proof must tell the two apart)
+    names = {id(m): name for name, m in module.named_modules()}
+    module = copy.deepcopy(module).double()
+    original = types.MethodType(getattr(original, "__func__", type(module).forward), module)
+    conv = cast(nn.Conv1d, module.get_submodule(names[id(conv)])) if conv is not None else None
+    p = next(module.parameters())
+    g = torch.Generator().manual_seed(0)
+    length = 4 * n + 3
+    x = torch.randn(2, length, width, generator=g, dtype=torch.float64).to(p.device, p.dtype)
+    mask = torch.ones(2, length, dtype=torch.long, device=p.device)
+    mask[1, :3] = 0
+    passes = 3 if scans else 2  # the halos' columns first, then the states (from correct halos), then the outputs
+    try:
+        with torch.no_grad():
+            want = original(x, attention_mask=mask)
+            for zigzag in (False, True):
+                plans = [ShardPlan.build(length, n, r, ring_size=n, zigzag=zigzag) for r in range(n)]
+                err = _split_error(module, original, conv, scans, plans, passes, x, mask, want)
+                if isinstance(err, str):
+                    return err
+                if not scans and err > 1e-9:
+                    return f"its shards with their halos are not its output (relative error {err:.1e})"
+                if scans:
+                    if err > SCAN_TOLERANCE:
+                        return f"its shards with their halos and states are not its output (relative error {err:.1e})"
+                    dropped = _split_error(module, original, conv, scans, plans, passes, x, mask, want, drop=True)
+                    if isinstance(dropped, str):
+                        return dropped
+                    if dropped < SCAN_MARGIN * max(err, SCAN_FLOOR):
+                        return (
+                            f"its scan's reach across shards ({dropped:.1e}) cannot be told from its fp32 rounding "
+                            f"({err:.1e}) on a random batch"
+                        )
+    except Exception as exc:  # noqa: BLE001 - a split that does not apply: the mixer runs as before
+        text = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return f"its shards split along the sequence fail ({type(exc).__name__}: {text})"
+    return None
+
+
+def _split_error(module, original, conv, scans, plans, passes, x, mask, want, drop: bool = False):
+    """The largest relative error of the shards' outputs, the ranks run one by one; or why they cannot run."""
+    n, length = len(plans), x.shape[1]
+    columns: list = [[None] * n for _ in range(passes)]
+    states: list = [[None] * n for _ in range(passes)]
+    err = 0.0
+    for step in range(passes):
+        for r, plan in enumerate(plans):
+            gather_columns = _Collect(columns, step, r)
+            gather_states = _Collect(states, step, r, zero=drop)
+            modes = _Modes(module, conv, scans, plan, r, x.device, gather_columns, gather_states)
+            with modes:
+                got = original(plan.pad_and_shard(x, 0.0), attention_mask=plan.pad_and_shard(mask, 0))
+            why = modes.seen()
+            if why is not None:
+                return why
+            if step == passes - 1:
+                ref = plan.pad_and_shard(want, 0.0)
+                real = plan.global_index(r) < length
+                err = max(err, _relative(got[:, real], ref[:, real], want))
+    return err
+
+
+class _Collect:
+    """The proof's stand-in for an all-gather: pass `step` records each shard's tensor and hands every shard
+    what all shards recorded in the pass before (zeros in the first pass; always, for `zero`)."""
+
+    def __init__(self, store: list, step: int, rank: int, zero: bool = False):
+        self.store, self.step, self.rank, self.zero = store, step, rank, zero
+
+    def __call__(self, e: torch.Tensor) -> torch.Tensor:
+        self.store[self.step][self.rank] = e
+        before = self.store[self.step - 1] if self.step else None
+        if self.zero or before is None or any(b is None for b in before):
+            return torch.zeros_like(e).repeat(1, 1, len(self.store[self.step]))
+        return torch.cat(before, -1)
+
+
+def _width(module: nn.Module) -> int | None:
+    out = dict(module.named_children()).get("out_proj") or dict(module.named_children()).get("o_proj")
+    if isinstance(out, nn.Linear):
+        return int(out.out_features)
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return int(linears[0].in_features) if linears else None
+
+
+def _relative(got: torch.Tensor, ref: torch.Tensor, whole: torch.Tensor) -> float:
+    scale = whole.double().abs().max().clamp(min=1e-30)
+    return float((got.double() - ref.double()).abs().max() / scale)
