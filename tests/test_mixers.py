@@ -169,13 +169,15 @@ def _ssd(model_type: str, class_name: str, child: str):
         ("qwen3_next", "Qwen3NextForCausalLM", "linear_attn", "torch_chunk_gated_delta_rule"),
         ("granitemoehybrid", "GraniteMoeHybridForCausalLM", "mamba", "mamba2_chunk_scan"),
         ("nemotron_h", "NemotronHForCausalLM", "mixer", "mamba2_chunk_scan"),
+        ("zamba", "ZambaForCausalLM", "mamba", "mamba_selective_scan"),  # no initial state; a call per head group
     ],
 )
 def test_scans_split_along_the_sequence_by_passing_their_state(model_type, class_name, child, found):
-    """A gated DeltaNet (Qwen3.5, Qwen3-Next) and a Mamba2 mixer (Granite 4, Nemotron-H): the scan function is
-    found in the module's code (Mamba2's through `mamba2_scan_forward`), and each shard, its convolution given
-    its halo and its scan the state of the tokens before it, gives the module's output, for sp beyond the key
-    heads (2) too; without the convolution's halo, or with the states dropped, it does not."""
+    """A gated DeltaNet (Qwen3.5, Qwen3-Next), a Mamba2 mixer (Granite 4, Nemotron-H) and Mamba's selective scan
+    (Zamba's, two calls a forward): the scan function is found in the module's code (through `mamba2_scan_forward`
+    / `mamba_scan_forward`), and each shard, its convolution given its halo and its scan the state of the tokens
+    before it, gives the module's output in float64 (within 1e-9), for sp beyond the key heads (2) too; without
+    the convolution's halo, or (in fp32, as trained) with the states dropped, it does not."""
     module = _ssd(model_type, class_name, child)
     scans, conv = scan.find(module), halo.depthwise_conv(module)
     assert found in scans and conv is not None

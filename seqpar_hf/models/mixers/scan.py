@@ -47,8 +47,13 @@ class Kind:
     value_axis: int
     key_source: str  # the input whose last dim is the state's key axis
     pair: bool  # returns (output, final state or None) whether or not asked for the final state
+    seq_dim: int = 1
 
     def matches(self, params: set) -> bool:
+        if not self.initial:  # no initial state: the one kind whose state passing is added to its outputs
+            return {*self.tokens, "A", "delta_bias", "delta_softplus", self.final_flag} <= params and not (
+                {"initial_state", "initial_states"} & params
+            )
         return {*self.tokens, self.initial, self.final_flag} <= params
 
 
@@ -57,6 +62,9 @@ KINDS = (
          "output_final_state", -1, "key", True),
     Kind("SSD chunk scan", ("hidden_states", "dt", "B", "C"), "hidden_states", "initial_states",
          "return_final_states", -2, "B", False),
+    # Mamba's selective scan: [b, channels, s] inputs, a diagonal state [b, channels, n], and no initial state
+    Kind("selective scan", ("hidden_states", "dt", "B", "C", "z"), "hidden_states", "", "return_last_state", 0, "B",
+         False, seq_dim=-1),
 )  # fmt: skip
 
 
@@ -163,39 +171,92 @@ class StatePassing:
 
         return split
 
+    def _exchange(self, states: list) -> torch.Tensor:
+        """Every rank's runs' states, [sp, runs, ...] (a rank with fewer runs pads zeros), in fp32 at least."""
+        flat = torch.stack(states)
+        flat = flat if flat.dtype == torch.float64 else flat.float()
+        shape, pad = flat.shape, self.width - flat.shape[0]
+        sent = torch.cat([flat, flat.new_zeros(pad, *shape[1:])]) if pad else flat
+        return self.gather(sent.reshape(1, 1, -1)).reshape(-1, self.width, *shape[1:])
+
     def _split(self, fn, kind: Kind, call: dict):
+        if not kind.initial:
+            return self._split_selective(fn, kind, call)
         value = call[kind.value]
-        m = call[kind.key_source].shape[-1]
-        dv = value.shape[-1]
+        m, dv = call[kind.key_source].shape[-1], value.shape[-1]
+        dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+        starts = [g for _, _, g in self.order]
         parts, states = [], []
-        for start, n, _ in self.runs:
+        for start, n, glob in self.runs:
             piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
             v = piece[kind.value]
-            widened = torch.cat([v, v.new_zeros(*v.shape[:-1], m)], -1)
-            out, final = fn(**{**piece, kind.value: widened, kind.initial: _identity(kind, value, m, dv),
-                               kind.final_flag: True})  # fmt: skip
-            parts.append(out.narrow(-1, 0, dv))
-            states.append(final)
-        flat = torch.stack(states).float() if states[0].dtype != torch.float64 else torch.stack(states)
-        shape = flat.shape
-        pad = self.width - shape[0]
-        sent = torch.cat([flat, flat.new_zeros(pad, *shape[1:])]) if pad else flat
-        everyone = self.gather(sent.reshape(1, 1, -1)).reshape(-1, self.width, *shape[1:])
+            if glob == starts[0]:  # the sequence's first run: its outputs and final state from a zero start
+                out, final = fn(**{**piece, kind.final_flag: True})
+                parts.append(out)
+                states.append(torch.cat([final.to(dtype), _zeros(kind, v, m, dv, dtype)], kind.value_axis))
+            elif glob == starts[-1]:  # the last: no run needs its state; zeros, after its inputs (see _After)
+                parts.append(None)
+                states.append(_After.apply(_widened_zeros(kind, v, m, dv, dtype), v))
+            else:  # between: its zero-start state S0 and its transition T from one widened call
+                widened = torch.cat([v, v.new_zeros(*v.shape[:-1], m)], -1)
+                out, final = fn(**{**piece, kind.value: widened, kind.initial: _identity(kind, value, m, dv),
+                                   kind.final_flag: True})  # fmt: skip
+                parts.append(None)
+                states.append(final.to(dtype))
+        everyone = self._exchange(states)
         outs = []
         for (start, n, glob), first in zip(self.runs, parts):
+            if first is not None:  # the first run: its zero start was the sequence's
+                outs.append(_tie(first, everyone))
+                continue
             incoming = None
             for r, i, g in self.order:  # the runs before this one, in sequence order
                 if g >= glob:
                     break
                 s0, t = _split_state(kind, everyone[r, i], dv)
                 incoming = s0 if incoming is None else (_apply(kind, t, incoming) + s0)
-            if incoming is None:  # the sequence's first run: its zero start was pass 1's
-                outs.append(_tie(first, everyone))
-                continue
             piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
             out, _ = fn(**{**piece, kind.initial: incoming, kind.final_flag: True})
             outs.append(out)
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
+
+    def _split_selective(self, fn, kind: Kind, call: dict):
+        """Mamba's selective scan takes no initial state, but its state decays elementwise: a run's final state
+        is T * S_in + S0 with T = exp(A * the run's summed time steps), and the incoming state adds
+        C_t . (exp(A * the time steps up to t) * S_in) to each output before its gate. Pass 1 returns S0; T and
+        the added outputs are computed here from the call's own A, time steps, C and gate."""
+        parts, states = [], []
+        for start, n, _ in self.runs:
+            piece = {k: (v.narrow(-1, start, n) if k in kind.tokens and v is not None else v) for k, v in call.items()}
+            out, final = fn(**{**piece, kind.final_flag: True})
+            dt = piece["dt"].float() if piece["dt"].dtype != torch.float64 else piece["dt"]
+            if call.get("delta_bias") is not None:
+                dt = dt + call["delta_bias"].to(dt.dtype)[..., None]
+            if call.get("delta_softplus"):
+                dt = torch.nn.functional.softplus(dt)
+            cum = dt.cumsum(-1)  # [b, channels, n_tokens]
+            parts.append((out, piece, cum))
+            a = call["A"].to(cum.dtype)
+            states.append(torch.stack([final.to(cum.dtype), torch.exp(a[None] * cum[..., -1:])]))
+        everyone = self._exchange(states)
+        outs = []
+        for (_, _, glob), (first, piece, cum) in zip(self.runs, parts):
+            incoming = None
+            for r, i, g in self.order:
+                if g >= glob:
+                    break
+                s0, t = everyone[r, i, 0], everyone[r, i, 1]
+                incoming = s0 if incoming is None else t * incoming + s0
+            if incoming is None:
+                outs.append(_tie(first, everyone))
+                continue
+            decay = torch.exp(call["A"].to(cum.dtype)[None, :, None, :] * cum[..., None])  # [b, ch, t, n]
+            c = piece["C"].to(cum.dtype)  # [b, n, t]
+            added = torch.einsum("bctn,bnt,bcn->bct", decay, c, incoming)
+            if piece.get("z") is not None:
+                added = added * torch.nn.functional.silu(piece["z"].to(added.dtype))
+            outs.append(first + added.to(first.dtype))
+        return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
 
 def _identity(kind: Kind, value: torch.Tensor, m: int, dv: int) -> torch.Tensor:
@@ -207,6 +268,34 @@ def _identity(kind: Kind, value: torch.Tensor, m: int, dv: int) -> torch.Tensor:
     if kind.value_axis == -1:  # [b, h, key, value]
         return torch.cat([zeros, eye], -1)
     return torch.cat([zeros.transpose(-1, -2), eye], -2)  # [b, h, value, key]
+
+
+def _zeros(kind: Kind, value: torch.Tensor, m: int, dv: int, dtype) -> torch.Tensor:
+    """The m added channels of a state (a first run's transition: unused), zeros."""
+    b, h = value.shape[0], value.shape[2]
+    shape = (b, h, m, m)
+    return torch.zeros(shape, dtype=dtype, device=value.device)
+
+
+def _widened_zeros(kind: Kind, value: torch.Tensor, m: int, dv: int, dtype) -> torch.Tensor:
+    b, h = value.shape[0], value.shape[2]
+    shape = (b, h, m, dv + m) if kind.value_axis == -1 else (b, h, dv + m, m)
+    return torch.zeros(shape, dtype=dtype, device=value.device)
+
+
+class _After(torch.autograd.Function):
+    """`x` (zeros sent for the sequence's last run), made to depend on `after` (its scan's input) with a zero
+    gradient: on every rank the backward then reaches the states' all-gather before the convolution halo's
+    (each rank's scan input waits for the states' gradient), so the ranks' collectives run in one order."""
+
+    @staticmethod
+    def forward(ctx, x, after):
+        ctx.shape, ctx.dtype, ctx.device = after.shape, after.dtype, after.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
 
 
 def _split_state(kind: Kind, state: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
