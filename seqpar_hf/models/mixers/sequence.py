@@ -193,11 +193,11 @@ class _Float64:
                 k = {n: torch.float64 if x is torch.float32 else x for n, x in k.items()}
             return to(t, *a, **k)
 
-        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else float_(t, *a, **k)  # type: ignore[method-assign]
-        torch.Tensor.to = keep  # type: ignore[method-assign]
+        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else float_(t, *a, **k)
+        torch.Tensor.to = keep
 
     def __exit__(self, *exc):
-        torch.Tensor.float, torch.Tensor.to = self.float, self.to  # type: ignore[method-assign]
+        torch.Tensor.float, torch.Tensor.to = self.float, self.to
 
 
 class _Collect:
