@@ -72,7 +72,7 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("olmo:clip_qkv", "OlmoForCausalLM", ("tp2",), (P,)),  # TP: q / k / v clamped in place
     # token mixers outside attention (models/mixers/)
     ("lfm2", "Lfm2ForCausalLM", ("ulysses",), (P,)),  # short convolution, split along the sequence with a halo
-    ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba mixer, called without the layer's kwargs
+    ("jamba", "JambaForCausalLM", ("ring",), (P,)),  # Mamba: selective scan, its state added; no layer kwargs
     ("qwen3_next", "Qwen3NextForCausalLM", ("ulysses",), (P, G)),  # gated DeltaNet: its state passed (+ MoE)
     ("nemotron_h:two_groups", "NemotronHForCausalLM", ("ulysses",), (P, G)),  # Mamba2: its SSD state passed
     ("zamba2", "Zamba2ForCausalLM", ("ulysses",), (G,)),  # a cache layer holding a mixer's states and keys
