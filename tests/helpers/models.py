@@ -188,13 +188,28 @@ CAUSAL_EXTRA = {
     ),
     "qwen3_5": dict(
         config="Qwen3_5TextConfig",
-        model="Qwen3_5ForCausalLM",  # gated DeltaNet (split by heads under SP) + full attention
+        model="Qwen3_5ForCausalLM",  # gated DeltaNet (split along the sequence under SP) + full attention
         kwargs=dict(
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             linear_key_head_dim=8,
             linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"],
+        ),
+    ),
+    "qwen3_next": dict(
+        config="Qwen3NextConfig",
+        model="Qwen3NextForCausalLM",  # fused q/k/v/z projections of its gated DeltaNet; MoE
+        kwargs=dict(
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
         ),
     ),
     "smollm3": dict(

@@ -141,8 +141,10 @@ def run_case(case: dict) -> dict:
         result["sequence_scores_err"] = relative_error(out.sequences_scores, want.sequences_scores)
     windowed = "sliding_window" in case.get("model", {}) or case.get("windowed")  # evicted every EVICT_EVERY steps
     if family not in SEQ2SEQ and not windowed:  # the cache stays sharded: this rank's keys are about 1/sp of them
-        result["cache_keys"] = sum(layer.keys.shape[2] for layer in out.cache.layers)
-        result["reference_keys"] = sum(layer.keys.shape[2] for layer in want.cache.layers)
+        keys = lambda cache: sum(  # attention layers (a mixer's layer caches states, no keys)
+            layer.keys.shape[2] for layer in cache.layers if getattr(layer, "keys", None) is not None
+        )
+        result["cache_keys"], result["reference_keys"] = keys(out.cache), keys(want.cache)
     elif family in SEQ2SEQ:
         result["cross_keys"] = out.cache.cross_attention_cache.layers[0].keys.shape[2]
         result["reference_cross_keys"] = want.cache.cross_attention_cache.layers[0].keys.shape[2]
@@ -179,6 +181,9 @@ def _cases(world: int) -> list[dict]:
             # scaled by their index (temperature tuning from index 3)
             dict(base, name="ring-llama4-chunks-beam4", family="llama4", mode="ring", beams=4, new=10, windowed=True),
             dict(base, name="ulysses-t5-beam4", family="t5", beams=4),  # relative position bias in the decoding steps
+            # gated DeltaNet layers: the prompt's states (convolution and recurrent) in the cache, reordered by beams
+            dict(base, name="ring-qwen3_5-deltanet-beam4", family="qwen3_5", mode="ring", beams=4),
+            dict(base, name="ulysses-qwen3_next-deltanet-beam4", family="qwen3_next", beams=4),
         ]
     base = dict(sp=4)
     return [

@@ -264,9 +264,11 @@ CASES = {
     "grpo-separate-reference": (dict(**GRPO, ref="separate"), dict(**GRPO)),
     "grpo-reference-loaded-by-trl": (dict(**GRPO, ref="path"), dict(**GRPO)),
     "grpo-ring": (dict(**GRPO, mode="ring"), dict(**GRPO)),
-    # Granite 4: Mamba2 mixers run whole, MoE with TRL's load-balancing loss (output_router_logits=, the router
-    # logits gathered over the group). Not at dp=2: a load-balancing loss per replica is not one process's
+    # Granite 4: Mamba2 mixers split along the sequence, MoE with TRL's load-balancing loss (output_router_logits=,
+    # the router logits gathered over the group). Not at dp=2: a load-balancing loss per replica is not one process's
     "grpo-granite4-moe": (dict(**GRPO, family="granitemoehybrid"), dict(**GRPO, family="granitemoehybrid")),
+    # Qwen3.5: gated DeltaNet layers split along the sequence (zigzag shards), generation's cache of their states
+    "grpo-qwen3_5-deltanet-ring": (dict(**GRPO, family="qwen3_5", mode="ring"), dict(**GRPO, family="qwen3_5")),
     "grpo-peft-checkpointing": (
         dict(**GRPO, peft=True, checkpointing=True),
         dict(**GRPO, peft=True, checkpointing=True),
