@@ -23,6 +23,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from seqpar_hf.models.mixers.sequence import KeepFloat64
+
 from .images import IMAGE_VARIANTS, NoImages, tiny_vlm
 from .numerics import TOLERANCE, relative_error
 from .released import describe
@@ -91,31 +93,11 @@ def _build(model_type: str, class_name: str, images: bool = False):
     return copy.deepcopy(built[0]), built[1]
 
 
-class _Float64:
-    """For the re-run, `.float()` and `.to(torch.float32)` keep a float64 tensor float64: models that compute
-    parts in fp32 whatever their dtype (the gated DeltaNet's kernel and gated norm, its decay) would
-    otherwise keep fp32 rounding there, which cancellation in a sum over tokens magnifies (its A_log and
-    dt_bias gradients differ by ~4e-5 between one process and SP in fp32, by < 1e-9 in float64)."""
-
-    def __enter__(self):
-        self.float, self.to = float_, to = torch.Tensor.float, torch.Tensor.to
-
-        def keep(t, *a, **k):
-            if t.dtype == torch.float64:
-                a = tuple(torch.float64 if x is torch.float32 else x for x in a)
-                k = {n: torch.float64 if x is torch.float32 else x for n, x in k.items()}
-            return to(t, *a, **k)
-
-        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else float_(t, *a, **k)  # type: ignore[method-assign]
-        torch.Tensor.to = keep  # type: ignore[method-assign]
-
-    def __exit__(self, *exc):
-        torch.Tensor.float, torch.Tensor.to = self.float, self.to  # type: ignore[method-assign]
-
-
 def _float64_errors(model_type: str, class_name: str, variant, batch: dict, layout) -> dict:
     """The same comparison in float64: fp32 rounding shrinks by ~1e9 there, a real error does not."""
-    with _Float64():
+    # `.float()` / `.to(torch.float32)` kept float64: models that compute parts in fp32 whatever their dtype (the
+    # gated DeltaNet's kernel, its decay) would keep fp32 rounding there, which a sum over tokens magnifies
+    with KeepFloat64():
         return _float64_run(model_type, class_name, variant, batch, layout)
 
 

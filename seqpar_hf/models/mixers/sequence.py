@@ -126,7 +126,7 @@ def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: i
     width = _width(module)
     if width is None:
         return "has no input width read here"
-    # in float64 on a copy, the module's own casts to fp32 kept float64 (`_Float64`): a scan's reach into the
+    # in float64 on a copy, the module's own casts to fp32 kept float64 (`KeepFloat64`): a scan's reach into the
     # previous shard can be small at initialisation, below an fp32 tolerance; in float64 only rounding is
     names = {id(m): name for name, m in module.named_modules()}
     module = copy.deepcopy(module).double()
@@ -141,7 +141,7 @@ def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: i
     passes = 3 if scans else 2  # the halos' columns first, then the states (from correct halos), then the outputs
     what = "halos and states" if scans else "halos"
     try:
-        with torch.no_grad(), _Float64():
+        with torch.no_grad(), KeepFloat64():
             want = original(x, attention_mask=mask)
             for zigzag in (False, True):
                 plans = [ShardPlan.build(length, n, r, ring_size=n, zigzag=zigzag) for r in range(n)]
@@ -179,10 +179,11 @@ def _split_error(module, original, conv, scans, plans, passes, x, mask, want, dr
     return err
 
 
-class _Float64:
-    """`.float()` and `.to(torch.float32)` keep a float64 tensor float64 while the proof runs: scan functions
+class KeepFloat64:
+    """`.float()` and `.to(torch.float32)` keep a float64 tensor float64 while it is entered: scan functions
     compute in fp32 whatever their inputs (the gated delta rule, the SSD and selective scans), which would leave
-    fp32 rounding in the proof; the patched model runs them as they are."""
+    fp32 rounding in the proof (and in the conformance sweep's float64 re-run); the patched model runs them as
+    they are."""
 
     def __enter__(self):
         self.float, self.to = float_, to = torch.Tensor.float, torch.Tensor.to
