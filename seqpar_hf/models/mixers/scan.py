@@ -193,10 +193,10 @@ class StatePassing:
             if glob == starts[0]:  # the sequence's first run: its outputs and final state from a zero start
                 out, final = fn(**{**piece, kind.final_flag: True})
                 parts.append(out)
-                states.append(torch.cat([final.to(dtype), _zeros(kind, v, m, dv, dtype)], kind.value_axis))
-            elif glob == starts[-1]:  # the last: no run needs its state; zeros, after its inputs (see _After)
+                states.append(torch.cat([final.to(dtype), _zeros(v, m, dtype)], kind.value_axis))
+            elif glob == starts[-1]:  # the last: no run needs its state; zeros, tied after its inputs (_Tie)
                 parts.append(None)
-                states.append(_After.apply(_widened_zeros(kind, v, m, dv, dtype), v))
+                states.append(_Tie.apply(_widened_zeros(kind, v, m, dv, dtype), v))
             else:  # between: its zero-start state S0 and its transition T from one widened call
                 widened = torch.cat([v, v.new_zeros(*v.shape[:-1], m)], -1)
                 out, final = fn(**{**piece, kind.value: widened, kind.initial: _identity(kind, value, m, dv),
@@ -270,32 +270,15 @@ def _identity(kind: Kind, value: torch.Tensor, m: int, dv: int) -> torch.Tensor:
     return torch.cat([zeros.transpose(-1, -2), eye], -2)  # [b, h, value, key]
 
 
-def _zeros(kind: Kind, value: torch.Tensor, m: int, dv: int, dtype) -> torch.Tensor:
-    """The m added channels of a state (a first run's transition: unused), zeros."""
-    b, h = value.shape[0], value.shape[2]
-    shape = (b, h, m, m)
-    return torch.zeros(shape, dtype=dtype, device=value.device)
+def _zeros(value: torch.Tensor, m: int, dtype) -> torch.Tensor:
+    """The m added channels of a first run's state (its transition: unused), zeros."""
+    return torch.zeros(value.shape[0], value.shape[2], m, m, dtype=dtype, device=value.device)
 
 
 def _widened_zeros(kind: Kind, value: torch.Tensor, m: int, dv: int, dtype) -> torch.Tensor:
     b, h = value.shape[0], value.shape[2]
     shape = (b, h, m, dv + m) if kind.value_axis == -1 else (b, h, dv + m, m)
     return torch.zeros(shape, dtype=dtype, device=value.device)
-
-
-class _After(torch.autograd.Function):
-    """`x` (zeros sent for the sequence's last run), made to depend on `after` (its scan's input) with a zero
-    gradient: on every rank the backward then reaches the states' all-gather before the convolution halo's
-    (each rank's scan input waits for the states' gradient), so the ranks' collectives run in one order."""
-
-    @staticmethod
-    def forward(ctx, x, after):
-        ctx.shape, ctx.dtype, ctx.device = after.shape, after.dtype, after.device
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
 
 
 def _split_state(kind: Kind, state: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,8 +292,10 @@ def _apply(kind: Kind, t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 class _Tie(torch.autograd.Function):
-    """`x`, made to depend on `other` with a zero gradient: every rank's backward then runs the all-gather's
-    (a collective every rank must join), the sequence's first run included."""
+    """`x`, made to depend on `other` with a zero gradient, so that every rank's backward runs the states'
+    all-gather (a collective every rank must join) in one order: the sequence's first run ties its outputs to the
+    gathered states; its last run ties the zeros it sends to its scan's input (each rank's scan input then waits
+    for the states' gradient, before the convolution halo's all-gather)."""
 
     @staticmethod
     def forward(ctx, x, other):
