@@ -3,7 +3,7 @@ size n (torch.testing._internal.distributed.fake_pg), so a `ParallelLayout` sees
 collective returns at once without moving data. The library knows nothing of it; what the benchmarks
 need is said here:
 
-- `join(n)`: the fake group (of one rank too);
+- `join(n, rank)`: the fake group (of one rank too), as its rank `rank` (0 unless told);
 - `layout(...)`: a `ParallelLayout`; on the fake group, told its mesh's device type (the fake backend runs on
   any device: the GPU where there is one, as the benchmarks run there). Building a layout compares its
   arguments across the ranks (one all-gather); the fake all-gather hands back this rank's values for every
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 
-def join(world_size: int) -> None:
+def join(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def layout(*args, **kwargs):
@@ -44,5 +44,8 @@ def zero_received(name: str, a: dict) -> None:
         for op in a["p2p_op_list"]:
             if op.op.__name__ == "irecv":
                 op.tensor.zero_()
+    elif name == "all_gather":
+        for t in a["tensor_list"]:
+            t.zero_()
     elif name in ("all_gather_into_tensor", "all_gather_single"):
         a["output_tensor"].zero_()

@@ -181,7 +181,7 @@ def test_scans_split_along_the_sequence_by_passing_their_state(model_type, class
     module = _ssd(model_type, class_name, child)
     scans, conv = scan.find(module), halo.depthwise_conv(module)
     assert found in scans and conv is not None
-    for n in (2, 3, 4):
+    for n in (2, 3, 4, 8):  # at 8 the proof's 35 tokens leave a rank only padding (an H200 run found it failing)
         assert sequence.prove(module, module.forward, conv, scans, n) is None
     assert "not its output" in sequence.prove(module, module.forward, conv, {}, 2)
     from seqpar_hf.parallel.sharding import ShardPlan

@@ -172,9 +172,9 @@ def _split_error(module, original, conv, scans, plans, passes, x, mask, want, dr
             why = modes.seen()
             if why is not None:
                 return why
-            if step == passes - 1:
+            real = plan.global_index(r) < length
+            if step == passes - 1 and real.any():  # at sp=8 the proof's 35 tokens leave a rank only padding
                 ref = plan.pad_and_shard(want, 0.0)
-                real = plan.global_index(r) < length
                 err = max(err, _relative(got[:, real], ref[:, real], want))
     return err
 
