@@ -31,11 +31,6 @@ def _model(model_type: str, class_name: str):
 @pytest.mark.parametrize(
     "model_type,class_name,expected",
     [
-        (
-            "mamba",
-            "MambaForCausalLM",
-            ["backbone.layers.0.mixer (MambaMixer) runs a convolution", "no keyword arguments", FIX],
-        ),
         ("rwkv", "RwkvForCausalLM", ["rwkv.blocks.0.attention.time_shift (ZeroPad2d)", FIX]),
         (
             "openai-gpt",
@@ -495,3 +490,27 @@ def test_token_mixers_are_proven_to_run_whole(model_type, class_name, kind):
     assert all(side == "decoder" for side in family.mixers.values())
     assert family.attention  # and the model's attention is still sharded
     assert inspect_model(model, split=False).mixers == {}
+
+
+@pytest.mark.parametrize("model_type,class_name", [("mamba", "MambaForCausalLM"), ("mamba2", "Mamba2ForCausalLM")])
+def test_attention_free_models_split_their_mixers_or_are_refused(model_type, class_name, monkeypatch):
+    """Mamba and Mamba2 (no attention; Mamba2's backbone takes no position_ids): the shard runs name their mixers,
+    and `patch_model` splits them along the sequence, proven (models/mixers/install.py). Where none could be
+    split (here: the scan hidden from the proof, no head layout), every rank would run the whole model: refused,
+    naming the mixer, before anything is patched."""
+    from types import SimpleNamespace
+
+    from seqpar_hf.models.mixers import heads, install, scan
+
+    model = _model(model_type, class_name)
+    family = inspect_model(model, split=True)
+    assert family.mixers and not family.attention
+    decided = install.decide(family, SimpleNamespace(sp_size=2))
+    assert {way for way, _ in decided.values()} == {"sequence"}
+    monkeypatch.setattr(scan, "find", lambda module: {})
+    monkeypatch.setattr(heads, "head_layout", lambda module: None)
+    with pytest.raises(ValueError) as info:
+        install.decide(family, SimpleNamespace(sp_size=2))
+    message = str(info.value)
+    assert message.startswith(f"seqpar_hf cannot shard {class_name}: ") and ".mixer (" in message, message
+    assert "mixes tokens without attention" in message and "divides nothing" in message, message

@@ -122,6 +122,7 @@ def patch_model(
             )
     for site in family.attention:  # refuse head counts Ulysses cannot split (TP's share), before any forward
         split_heads(site.heads // tp, site.kv_heads // tp, layout.ulysses_size)
+    decided = mixers.decide(family, layout)  # proven (or refused) before anything is patched
     register()
     pretrained = family.pretrained
     attn_implementation = _compat.backbone_attn_implementation(pretrained, family.backbone)
@@ -143,7 +144,7 @@ def patch_model(
     for site in family.local_attention:
         set_site(site.module, LocalSite(site.name, attn_implementation))
     state.hooks = positions.install(state, family, state.pad_id)
-    state.mixers = mixers.install(state, family, layout)
+    state.mixers = mixers.install(state, family, layout, decided)
     state.image_shards = images.install(state, family, _replace)  # each rank encodes 1/sp of the images
     _install_memory(state, family, mlps, tiled_mlp, offload_activations)
     _replace(state, family.backbone, "forward", BackboneForward(state, family.backbone.forward))

@@ -186,6 +186,34 @@ CAUSAL_EXTRA = {
             mamba_chunk_size=8,
         ),
     ),
+    "jamba": dict(
+        config="JambaConfig",
+        model="JambaForCausalLM",  # Mamba mixers its layers call without their keyword arguments + attention + MoE
+        drop=("head_dim",),
+        kwargs=dict(
+            num_experts=2,
+            num_experts_per_tok=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+            use_mamba_kernels=False,
+        ),
+    ),
+    "mamba": dict(
+        config="MambaConfig",
+        model="MambaForCausalLM",  # attention-free: Mamba's selective scan split along the sequence, nothing else
+        drop=("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "attention_dropout"),
+        kwargs=dict(state_size=8, conv_kernel=4, expand=2, time_step_rank=4),
+    ),
+    "mamba2": dict(
+        config="Mamba2Config",
+        model="Mamba2ForCausalLM",  # attention-free: Mamba2's SSD split along the sequence; no position_ids taken
+        drop=("num_attention_heads", "num_key_value_heads", "intermediate_size", "attention_dropout"),
+        kwargs=dict(num_heads=8, head_dim=8, state_size=8, n_groups=2, conv_kernel=4, expand=2, chunk_size=8),
+    ),
     "qwen3_5": dict(
         config="Qwen3_5TextConfig",
         model="Qwen3_5ForCausalLM",  # gated DeltaNet (split along the sequence under SP) + full attention
@@ -292,7 +320,7 @@ def build_model(family: str, seed: int = 0, **config_kwargs):
     return model
 
 
-EAGER_ONLY = ("gemma2",)  # transformers 5.24 has no SDPA path for Gemma 2
+EAGER_ONLY = ("gemma2", "mamba", "mamba2")  # transformers 5.24 has no SDPA path for Gemma 2; Mamba: no attention
 
 
 def rope(rope_type: str, head_dim: int = 8, original: int = 8) -> dict:

@@ -238,6 +238,24 @@ def _cases_world2():
             dict(base, name=f"{tag}-qwen2", family="qwen2"),
             dict(base, name=f"{tag}-marian-checkpointing", family="marian", checkpointing=True),
             dict(base, name=f"{tag}-llama-checkpointing", family="llama", checkpointing=True),
+            # attention-free: the context reaches Mamba's mixers on the shard's mask, also in the recompute of
+            # each of two forwards of different lengths before one backward
+            dict(
+                base,
+                name=f"{tag}-mamba-checkpointing-two-forwards",
+                family="mamba",
+                checkpointing=True,
+                second_batch=dict(length=7),
+            ),
+            dict(base, name=f"{tag}-mamba2-checkpointing", family="mamba2", checkpointing=True),
+            # Jamba's layers call its Mamba without the context: the recompute sets it again (mixers/gathered.py)
+            dict(
+                base,
+                name=f"{tag}-jamba-checkpointing-two-forwards",
+                family="jamba",
+                checkpointing=True,
+                second_batch=dict(length=7),
+            ),
             dict(base, name=f"{tag}-marian-eval", family="marian", eval=True),
             dict(base, name=f"{tag}-llama-eval", family="llama", eval=True),
         ]

@@ -16,6 +16,25 @@ from ...attention.pattern import Pattern
 from ...parallel.layout import ParallelLayout
 
 CONTEXT_KWARG = "seqpar_ctx"  # the keyword argument that carries the context to the attention function
+# ... and the attribute of the shard's padding mask that carries it too: an attention-free backbone that passes
+# its layers no keyword arguments but the mask (Mamba) still hands it to them, gradient checkpointing included
+# (transformers keeps a checkpointed layer's keyword arguments, the mask object itself, for the recompute)
+CONTEXT_ATTR = "_seqpar_ctx"
+
+
+def carry(kwargs: dict, ctx) -> None:
+    """Put `ctx` on the call's attention_mask (the shard's own [b, s_loc] mask tensor, made per forward)."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        setattr(mask, CONTEXT_ATTR, ctx)
+
+
+def carried(kwargs: dict):
+    """The context a call carries: its keyword argument, else its attention_mask's; None if neither."""
+    ctx = kwargs.get(CONTEXT_KWARG)
+    if ctx is None:
+        ctx = getattr(kwargs.get("attention_mask"), CONTEXT_ATTR, None)
+    return ctx
 
 
 class ForwardContext:

@@ -31,7 +31,7 @@ from ..tp import tensor_parallel
 from . import front_masks
 from . import labels as labels_
 from .checks import check_forward
-from .context import CONTEXT_KWARG, ForwardContext
+from .context import CONTEXT_KWARG, ForwardContext, carry
 from .head import TiledHead
 from .inputs import FLASH_KWARGS, shard_causal, shard_plan, shard_seq2seq
 from .loss import IGNORE_INDEX, group_mean_loss, tiled_token_loss_sum, token_loss_sum
@@ -156,6 +156,7 @@ class BackboneForward(Wrapper):
             announce.first_forward(layout, {side: seq.plan for side, seq in ctx.seqs.items()})
         if self.takes_kwargs:  # travels with the layers' kwargs (and with gradient checkpointing)
             kwargs[CONTEXT_KWARG] = ctx
+        carry(kwargs, ctx)  # and on the shard's mask, for layers given no keyword arguments but it (Mamba)
         training = family.backbone.training
         device = ctx.positions["decoder"].device
         rng = per_rank_stream(layout.sp_rank, device) if training and layout.enabled else contextlib.nullcontext()

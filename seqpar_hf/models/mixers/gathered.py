@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...parallel.comm import gather_for_replica
-from ..forward.context import CONTEXT_KWARG, ForwardContext
+from ..forward.context import CONTEXT_KWARG, ForwardContext, carried
 
 
 def _full_mask(ctx: ForwardContext, side: str, like) -> torch.Tensor | None:
@@ -78,7 +78,8 @@ def local_output(ctx: ForwardContext, side: str, output):
 
 class ContextHolder:
     """The forward context of the layer a mixer runs in, for mixers their layer calls without its keyword
-    arguments (Jamba): set by a pre-hook on each module around the mixer that receives it, so a layer
+    arguments (Jamba; Mamba's layers, given it on their attention_mask): set by a pre-hook on each module around
+    the mixer that receives it, so a layer
     recomputed by gradient checkpointing sets its own forward's context again; cleared when the backbone
     starts a forward (a forward without sequence parallelism passes none)."""
 
@@ -89,12 +90,59 @@ class ContextHolder:
         self.ctx = None
 
     def take(self, module, args, kwargs):
-        ctx = kwargs.get(CONTEXT_KWARG)
+        ctx = carried(kwargs)
         if ctx is not None:
             self.ctx = ctx
+            _Rebinding.wrap(module, self)
 
     def __getstate__(self):
         return {"ctx": None}
+
+
+class _Rebinding:
+    """A layer's `_gradient_checkpointing_func` that sets its holders' context again when the layer is recomputed.
+
+    transformers 5.25 checkpoints a layer's `forward`, not its `__call__`: the recompute in backward runs no
+    pre-hook of the layer, so without this a mixer its layer calls without the context would read the last
+    forward's (two forwards before one backward: the first one's recompute with the second's shards and masks).
+    """
+
+    def __init__(self, func):
+        self.func, self.holders = func, []
+
+    @staticmethod
+    def wrap(module, holder: ContextHolder) -> None:
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is None:
+            return
+        if not isinstance(func, _Rebinding):
+            func = module._gradient_checkpointing_func = _Rebinding(func)
+        if not any(h is holder for h in func.holders):
+            func.holders.append(holder)
+
+    def __call__(self, function, *args, **kwargs):
+        bound = [(h, h.ctx) for h in self.holders]  # this forward's, taken by the layer's pre-hooks just before
+
+        def run(*a, **k):
+            for holder, ctx in bound:
+                holder.ctx = ctx
+            return function(*a, **k)
+
+        return self.func(run, *args, **kwargs)
+
+    @staticmethod
+    def unwrap(module) -> None:
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(func, _Rebinding):
+            module._gradient_checkpointing_func = func.func
+
+
+class _Unwrap:
+    def __init__(self, module):
+        self.module = module
+
+    def remove(self):
+        _Rebinding.unwrap(self.module)
 
 
 class GatheredMixer:
@@ -105,7 +153,7 @@ class GatheredMixer:
         self.params = set(inspect.signature(original).parameters)
 
     def __call__(self, *args, **kwargs):
-        ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
+        ctx = carried(kwargs) or self.holder.ctx
         if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
             # no SP, or a decoding step (its tokens replicated): the module as it is, on its cached state
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
@@ -123,11 +171,11 @@ def install(state, module: nn.Module, side: str, backbone: nn.Module, path: str,
     """Wrap `module` (at `path` in the backbone) in `make(state, forward, side, holder)` (GatheredMixer); the
     handles to undo it (unpatch_model, the dry run)."""
     holder = ContextHolder()
-    handles = [backbone.register_forward_pre_hook(holder.clear, with_kwargs=True)]
+    handles: list = [backbone.register_forward_pre_hook(holder.clear, with_kwargs=True)]
     parts = path.split(".")
     for i in range(1, len(parts)):
         around = backbone.get_submodule(".".join(parts[:i]))
-        handles.append(around.register_forward_pre_hook(holder.take, with_kwargs=True))
+        handles += [around.register_forward_pre_hook(holder.take, with_kwargs=True), _Unwrap(around)]
     wrapper = (make or GatheredMixer)(state, module.forward, side, holder)
     return handles + [_Restore(module, module.__dict__.get("forward"), wrapper)]
 

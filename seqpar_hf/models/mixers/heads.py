@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...parallel.comm import gather_for_replica, group_size, group_sum, sum_to_shard
-from ..forward.context import CONTEXT_KWARG, ForwardContext
+from ..forward.context import CONTEXT_KWARG, ForwardContext, carried
 from .gathered import ContextHolder, full_call
 
 _SHAPE = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
@@ -405,7 +405,7 @@ class HeadParallelMixer:
         self.params = set(inspect.signature(original).parameters)
 
     def __call__(self, *args, **kwargs):
-        ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
+        ctx = carried(kwargs) or self.holder.ctx
         if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
         plan, group, layout = ctx.plan(self.side), ctx.layout.sp_group, ctx.layout

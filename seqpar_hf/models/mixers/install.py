@@ -1,6 +1,6 @@
 """Which way each token mixer of a patched model runs (along the sequence, with a convolution halo and its scan's
-state passed, where proven; else split by heads where proven; else whole), installed and logged once at
-`patch_model`."""
+state passed, where proven; else split by heads where proven; else whole), decided and proven at `patch_model`
+before anything is patched, installed and logged once."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from collections.abc import Callable
 from ...parallel import announce
 from . import gathered, halo, heads, scan, sequence
 
+SPLIT = ("sequence", "heads")
 
-def install(state, family, layout) -> dict:
-    """Wrap every mixer of `family`; {path: "sequence", "heads" or why it runs whole}. The handles go to
-    state.hooks."""
-    backbone, chosen, proofs = family.backbone, {}, {}
-    for name, side in family.mixers.items():
+
+def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
+    """{path: ("sequence", "heads" or why it runs whole, the wrapper's maker)}; raises for a model without
+    attention whose mixers would all run whole (every rank the whole model: it divides nothing)."""
+    backbone, decided, proofs = family.backbone, {}, {}
+    for name in family.mixers:
         module = backbone.get_submodule(name)
         conv, scans = halo.depthwise_conv(module), scan.find(module)
         if conv is not None or scans:  # proven once per kind of module (its class and shapes: the same code path)
@@ -25,8 +27,7 @@ def install(state, family, layout) -> dict:
                 make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans: (
                     sequence.SequenceMixer(st, m, original, s, holder, c, f)
                 )
-                chosen[name] = "sequence"
-                state.hooks += gathered.install(state, module, side, backbone, name, make)
+                decided[name] = ("sequence", make)
                 continue
         split = heads.head_layout(module)
         if isinstance(split, heads.SsdLayout) and split.groups < layout.sp_size:  # heads of one group per rank
@@ -40,9 +41,26 @@ def install(state, family, layout) -> dict:
             make = lambda st, original, s, holder, m=module, h=split: heads.HeadParallelMixer(
                 st, m, original, s, holder, h
             )
-            chosen[name] = "heads"
+            decided[name] = ("heads", make)
         else:
-            make, chosen[name] = None, why
-        state.hooks += gathered.install(state, module, side, backbone, name, make)
-    announce.mixers(layout, backbone, chosen)
+            decided[name] = (why, None)
+    if family.mixers and not family.attention and not any(way in SPLIT for way, _ in decided.values()):
+        name = sorted(family.mixers)[0]
+        raise ValueError(
+            f"seqpar_hf cannot shard {type(family.pretrained).__name__}: {name} "
+            f"({type(backbone.get_submodule(name)).__name__}) mixes tokens without attention and "
+            f"{decided[name][0]}; it would run on the whole sequence on every rank, which divides nothing. "
+            "Train it without sequence parallelism"
+        )
+    return decided
+
+
+def install(state, family, layout, decided: dict) -> dict:
+    """Wrap every mixer of `family` as `decide` chose; {path: "sequence", "heads" or why it runs whole}. The
+    handles go to state.hooks."""
+    chosen = {}
+    for name, side in family.mixers.items():
+        chosen[name], make = decided[name]
+        state.hooks += gathered.install(state, family.backbone.get_submodule(name), side, family.backbone, name, make)
+    announce.mixers(layout, family.backbone, chosen)
     return chosen

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...parallel.sharding import ShardPlan
-from ..forward.context import CONTEXT_KWARG, ForwardContext
+from ..forward.context import CONTEXT_KWARG, ForwardContext, carried
 from . import halo, scan
 from .gathered import GatheredMixer
 
@@ -88,7 +88,7 @@ class SequenceMixer(GatheredMixer):
         self.whole = False  # set when a fused kernel is seen computing the convolution or scan: whole from then on
 
     def __call__(self, *args, **kwargs):
-        ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
+        ctx = carried(kwargs) or self.holder.ctx
         if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
         if self.whole or self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):

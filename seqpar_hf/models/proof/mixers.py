@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..forward.context import CONTEXT_KWARG
+from ..forward.context import carried
 from ..mixers import gathered
 
 REFUSED_OPS = ("softmax", "selection", "scan-tokens", "selection-tokens", "softmax-tokens")
@@ -81,7 +81,7 @@ class Capture:
 
 class NoContext(RuntimeError):
     """The forward context (the shard plans) cannot reach the mixer: the model calls its layers without
-    keyword arguments (attention-free Mamba, RWKV, xLSTM backbones)."""
+    keyword arguments nor the shard's attention_mask (Mamba's layers pass the mask: they get it there)."""
 
 
 class Replayed(gathered.GatheredMixer):
@@ -92,9 +92,9 @@ class Replayed(gathered.GatheredMixer):
         self.calls, self.index = calls, 0
 
     def __call__(self, *args, **kwargs):
-        ctx = kwargs.get(CONTEXT_KWARG) or self.holder.ctx
+        ctx = carried(kwargs) or self.holder.ctx
         if ctx is None or self.side not in ctx.seqs:
-            raise NoContext("its layer passes it no keyword arguments and receives none itself")
+            raise NoContext("its layer passes it neither keyword arguments nor the shard's attention_mask")
         record = self.calls[self.index] if self.index < len(self.calls) else {}
         self.index += 1
 

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from ... import _compat
 from ...parallel.sharding import ShardPlan
 from ..forward import positions as positions_
-from ..forward.context import CONTEXT_KWARG
+from ..forward.context import CONTEXT_KWARG, carry
 from ..forward.inputs import shard_causal, shard_seq2seq
 from ..forward.sites import original_function
 from ..forward.validate import SHARDED_INPUTS
@@ -410,6 +410,7 @@ def _shard_runs(pretrained, observed, kind, family_positions, pad_id, ring, orig
                 keep_ids=True,
                 default_positions=observed.default_positions,
             )
+            carry(kw, ctx)
             if takes_kwargs:
                 kw[CONTEXT_KWARG] = ctx
             else:  # a backbone without position_ids (refused for it): what it takes

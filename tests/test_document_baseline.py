@@ -1,0 +1,46 @@
+"""recipes/document_baseline.py (the sentence model's baseline for document BLEU): its per-document joining of
+sentence texts, references and translations matches the document mode's test documents. CPU only, a few s."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / evaluate read it
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from recipes import document_baseline as db  # noqa: E402 - after the repository joins sys.path
+from recipes import translation_data as td  # noqa: E402
+
+
+def test_documents_match_the_document_mode():
+    """On 7 held-out pairs in documents of 3 (the last of 1): the sentence test joined per document, as the
+    baseline joins it, gives the document mode's English texts and references (no markers in them), and each
+    sentence's position in its document."""
+    nbsp = "\u00a0"
+    items = [
+        {
+            "en": f"Sentence {i}.",
+            "fr": f"Phrase {i}{nbsp}!",
+            "fr_refs": [f"Phrase {i}{nbsp}!", f"Ligne {i}."][: 1 + i % 2],
+        }
+        for i in range(7)
+    ]
+    words = [w for item in items for text in (item["en"], *item["fr_refs"]) for w in (text, text.lower())]
+    tokenizer = td.add_markers(td.train_tokenizer(words, vocab_size=60), 3)
+    sentences = td.build_tokenized_splits(tokenizer, {"test": items}, 80, 80)["test"]
+    documents = td.build_tokenized_splits(tokenizer, {"test": items}, 240, 240, document_sentences=3, markers=True)[
+        "test"
+    ]
+    assert len(sentences) == 7 and len(documents) == 3
+    assert db.join_per_document(sentences["en"], 3) == documents["en"]
+    references = db.document_references(sentences["fr_refs"], 3)
+    assert references == documents["fr_refs"]
+    assert references[0] == ["Phrase 0 ! Phrase 1 ! Phrase 2 !", "Phrase 0 ! Ligne 1. Phrase 2 !"]
+    assert not any("<s" in ref for refs in references for ref in refs)  # scored without the markers
+    # a translation equal to every sentence's first reference joins into each document's first reference
+    assert db.join_per_document([refs[0] for refs in sentences["fr_refs"]], 3) == [r[0] for r in references]
+    assert db.sentence_positions(7, 3) == [1, 2, 3, 1, 2, 3, 1]
+    assert db.position_ranges(32, 4) == [(1, 8), (9, 16), (17, 24), (25, 32)]
