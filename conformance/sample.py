@@ -16,7 +16,8 @@ pad_token_id (CodeGen), a bidirectional sliding-window encoder with soft-capping
 learned sinks (gpt-oss), chunked attention and queries scaled by index (Llama 4), a relative position bias and an
 encoder-decoder that runs its own stacks (T5), TP fixes (Apertus, Phi, OLMo), and token mixers (LFM2's short
 convolution by channel, Nemotron-H's and Granite 4's Mamba2 and Qwen3-Next's gated DeltaNet by heads, Jamba's Mamba
-run whole), and the refusals: a mixer under TP (LFM2), pure SSM (Mamba), hand-written attention (GPT-1, BLOOM's
+run whole), models without attention (Mamba, Mamba2), and the refusals: a mixer under TP (LFM2), hand-written
+attention (GPT-1, BLOOM's
 ALiBi), a relative position bias other than T5's (LongT5), attention keywords (Inkling, DeepSeek-V3.2, MiniMax-M3),
 routing capacity (NLLB-MoE), two models whose decoder makes its own positions (EncoderDecoder), global-local
 attention (PEGASUS-X), patches (BLT), a loss without the shift (Whisper); under TP: per-head norms (Cohere), a plan
@@ -78,11 +79,12 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
     ("zamba2", "Zamba2ForCausalLM", ("ulysses",), (G,)),  # a cache layer holding a mixer's states and keys
     ("zamba", "ZambaForCausalLM", ("ulysses",), (G,)),  # generate refused: shared attention without a layer index
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("ring",), (P,)),  # Mamba2 of one group, zigzag shards
+    ("mamba", "MambaForCausalLM", ("ulysses",), (P, G)),  # no attention: the context on the shard's mask
+    ("mamba2", "Mamba2ForCausalLM", ("ring",), (P,)),  # no attention, no position_ids taken
     # vision-language models with images (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3: tests/test_vlm_gloo.py)
     ("idefics3", "Idefics3ForConditionalGeneration", ("ring",), (IM,)),  # images [rows, n, c, h, w]; eval makes a cache
     # refused at patch_model, naming the module and why
     ("lfm2", "Lfm2ForCausalLM", ("tp2",), (P,)),  # a mixer run whole under TP
-    ("mamba", "MambaForCausalLM", ("ulysses",), (P,)),  # A / E5: pure SSM, named
     ("openai-gpt", "OpenAIGPTLMHeadModel", ("ulysses",), (P,)),  # E5: attention written by hand, named
     ("bloom", "BloomForCausalLM", ("ulysses",), (P,)),
     ("cohere:use_qk_norm", "CohereForCausalLM", ("tp2",), (P,)),  # TP: [heads, head_dim] norm weights
@@ -101,7 +103,6 @@ SAMPLE: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
 
 # rows that must be REFUSED, with a part of the message (the module and why), by (model_type, layout) for
 # every variant or by (model_type, layout, variant); every other row must be EXACT
-_CONV = "runs a convolution along the sequence"
 _TP_GENERATE = "generate on a tensor-parallel model (tp_size=2)"
 EXPECT_REFUSED: dict[tuple, str] = {
     ("llama", "tp2", G): _TP_GENERATE,
@@ -109,7 +110,6 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("gpt_oss", "ulysses", K): "lets model.layers.0.self_attn (GptOssAttention) attend across the documents",
     ("lfm2", "tp2"): "layers.0.conv (Lfm2ShortConv) mixes tokens outside attention and runs on the whole sequence",
     ("zamba", "ulysses", G): "attention module layers.1.shared_transf.self_attn has no layer index of its own",
-    ("mamba", "ulysses"): f"backbone.layers.0.mixer (MambaMixer) {_CONV}",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence
     ("longt5", "ulysses"): "adds a relative position bias other than T5's",
