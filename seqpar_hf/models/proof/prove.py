@@ -147,6 +147,8 @@ def prove(pretrained, kind: str, pad_id: int, original: str | None, guess, split
                 "(found no attention modules)",
                 "Use a model whose attention does (most models in transformers 5)",
             )
+        if not split:  # one rank (sp=1, no TP): nothing is sharded, every mixer runs as it is
+            mixers = {}
         head_post = None
         if observed.head_logits is not None:
             head_post = post_processing(pretrained, *observed.head_logits)
