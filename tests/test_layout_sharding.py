@@ -136,3 +136,25 @@ def test_head_split_gives_each_rank_the_kv_heads_its_queries_use(heads, kv, n):
 def test_too_few_heads_for_ulysses_names_the_fix():
     with pytest.raises(ValueError, match="needs at least 4 attention heads.*hybrid"):
         split_heads(2, 2, 4)
+
+
+def test_rotary_given_mrope_axes_the_backbone_spread_gets_the_full_sequence_spread_alike():
+    """transformers 5.17's Qwen3.5 text model spreads 2D position_ids over M-RoPE's axes before its rotary: the
+    rotary pre-hook hands it the full sequence's positions spread the same way ([axes, b, S]), never the 2D ones
+    (an IndexError in that rotary, which refused Qwen3.5 on 5.17)."""
+    from types import SimpleNamespace
+
+    from seqpar_hf.models.forward.positions import RotaryHook
+
+    class Rotary(torch.nn.Module):
+        def forward(self, x, position_ids):
+            return position_ids
+
+    full = torch.arange(8).view(1, 8)
+    state = SimpleNamespace(active=SimpleNamespace(full_positions={"decoder": full}))
+    hook = RotaryHook(state, "decoder", Rotary())
+    given = torch.arange(4).view(1, 1, 4).expand(3, 2, 4)  # rank 0's 4 tokens, 2 rows, 3 axes
+    _, kwargs = hook.pre(None, (torch.zeros(2, 4, 8),), {"position_ids": given})
+    assert kwargs["position_ids"].shape == (3, 2, 8) and torch.equal(kwargs["position_ids"][2, 1], full[0])
+    _, kwargs = hook.pre(None, (torch.zeros(2, 4, 8),), {"position_ids": given[0]})  # 2D stays 2D
+    assert torch.equal(kwargs["position_ids"], full)

@@ -34,6 +34,10 @@ class RotaryHook:
         given = kwargs.get("position_ids", args[self.position_index] if len(args) > self.position_index else None)
         if full.dim() == 3 and isinstance(given, torch.Tensor) and given.dim() == 3 and given.shape[0] < full.shape[0]:
             full = full[full.shape[0] - given.shape[0] :]  # the text axis dropped before the rotary (M-RoPE's 3 of 4)
+        elif full.dim() == 2 and isinstance(given, torch.Tensor) and given.dim() == 3:
+            # the backbone spread its 2D positions over M-RoPE's axes itself (Qwen3.5 in transformers 5.17): the
+            # same for the full sequence's (the dry run checks the rotary's output on every shard)
+            full = full.unsqueeze(0).expand(given.shape[0], max(full.shape[0], given.shape[1]), -1)
         if "position_ids" in kwargs or len(args) <= self.position_index:
             kwargs["position_ids"] = full
         else:
