@@ -158,3 +158,12 @@ def test_rotary_given_mrope_axes_the_backbone_spread_gets_the_full_sequence_spre
     assert kwargs["position_ids"].shape == (3, 2, 8) and torch.equal(kwargs["position_ids"][2, 1], full[0])
     _, kwargs = hook.pre(None, (torch.zeros(2, 4, 8),), {"position_ids": given[0]})  # 2D stays 2D
     assert torch.equal(kwargs["position_ids"], full)
+
+
+def test_mixer_split_is_checked_and_named():
+    """`mixer_split` takes "auto" or "heads"; another value fails at once, naming the flag and the choices."""
+    from seqpar_hf.parallel.layout import check_mixer_split
+
+    assert check_mixer_split("heads") == "heads" and ParallelLayout(mixer_split="heads").mixer_split == "heads"
+    with pytest.raises(ValueError, match=r"^mixer_split='sequence' \(--sp_mixer_split\): use 'auto' \(token mixers"):
+        ParallelLayout(mixer_split="sequence")

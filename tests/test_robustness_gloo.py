@@ -196,16 +196,17 @@ def test_the_plain_trainer_stops_at_its_second_step(bad):
         assert rank_results["learning-rates-differ-steps"] == (1, None)  # per-rank learning rates: the same
 
 
-def test_a_fused_convolution_kernel_runs_the_halo_mixer_whole(bad):
+def test_a_fused_convolution_kernel_runs_the_halo_mixer_by_channels(bad):
     """LFM2's convolution computed by a kernel that bypasses torch.nn.functional.conv1d (as causal-conv1d does on
-    CUDA): the halo cannot apply, so the forward is redone with the mixer whole, with a warning: one process's loss."""
+    CUDA): the halo cannot apply, so the forward is redone split by channels (proven too; the kernel runs on each
+    rank's channels), with a warning: one process's loss."""
     assert [rank_results["halo-conv-not-seen"][0] for rank_results in bad] == [None, None]
 
 
-def test_a_scan_unseen_runs_whole_and_the_head_split_still_holds(bad):
-    """Qwen3-Next's scan called where the split does not see it (a fused kernel under another name): redone with
-    the mixer whole, with a warning; the same model with the split along the sequence hidden splits by heads:
-    one process's loss both ways."""
+def test_a_scan_unseen_runs_by_heads_and_the_head_split_can_be_asked_for(bad):
+    """Qwen3-Next's scan called where the split does not see it (a fused kernel under another name): redone split
+    by heads, with a warning; the same model with `mixer_split="heads"` splits by heads, and with the split along
+    the sequence hidden too: one process's loss every way."""
     assert [rank_results["scan-not-seen-and-heads"][0] for rank_results in bad] == [None, None]
 
 

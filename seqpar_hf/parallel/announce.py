@@ -57,14 +57,20 @@ def mixers(layout, backbone, chosen: dict) -> None:
         if how == "sequence":
             logger.info(
                 "%d %s layers split along the sequence over the %d ranks of the SP group (a convolution given the "
-                "previous tokens' inputs, a scan started from their state)",
+                "previous tokens' inputs, a scan started from their state; mixer_split='heads' splits by heads "
+                "where that is proven)",
                 len(names),
                 kind,
                 layout.sp_size,
             )
         elif how == "heads":
+            asked = getattr(layout, "mixer_split", "auto") == "heads"
             logger.info(
-                "%d %s layers split by heads over the %d ranks of the SP group", len(names), kind, layout.sp_size
+                "%d %s layers split by heads over the %d ranks of the SP group (%s)",
+                len(names),
+                kind,
+                layout.sp_size,
+                "mixer_split='heads'" if asked else "not proven along the sequence",
             )
         else:
             logger.info(

@@ -63,6 +63,19 @@ def check_head_chunks(value) -> int | str:
     )
 
 
+MIXER_SPLITS = ("auto", "heads")
+
+
+def check_mixer_split(value) -> str:
+    """The one check of a `mixer_split` setting (the layout's and `--sp_mixer_split`); returns it."""
+    if value in MIXER_SPLITS:
+        return value
+    raise ValueError(
+        f"mixer_split={value!r} (--sp_mixer_split): use 'auto' (token mixers split along the sequence where "
+        "proven, else by heads) or 'heads' (by heads where proven, else along the sequence)"
+    )
+
+
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -139,7 +152,9 @@ class ParallelLayout:
     chooses for each model from its heads (`seqpar_hf.parallel.auto`) and patches it with a new, resolved
     layout (`seqpar_hf.layout_of(model)`); the auto layout itself stays as built, so it can patch several
     models. `head_chunks`: parts of a Ulysses exchange overlapped with the kernel ("auto": by the
-    exchange's size; an int: at most that many).
+    exchange's size; an int: at most that many). `mixer_split`: how token mixers outside attention (gated
+    DeltaNets, Mamba) split where both ways are proven ("auto": along the sequence, by heads where a fused kernel
+    hides the scan at run time; "heads": by heads; seqpar_hf/models/mixers/install.py).
     """
 
     sp_size: int = 1
@@ -147,6 +162,7 @@ class ParallelLayout:
     ring_size: int | None = None
     tp_size: int = 1
     head_chunks: int | str = "auto"
+    mixer_split: str = "auto"
     timeout: timedelta | None = None
     device_type: str | None = None
     sizes: LayoutSizes = field(init=False, repr=False)
@@ -154,6 +170,7 @@ class ParallelLayout:
 
     def __post_init__(self):
         check_head_chunks(self.head_chunks)
+        check_mixer_split(self.mixer_split)
         if self.mode == "auto":
             running = dist.is_available() and dist.is_initialized()
             self.sizes = validate_sizes(
@@ -253,7 +270,7 @@ class ParallelLayout:
 
     def _agree(self, ring_size) -> None:
         """Every rank asks for the same layout (so ranks building layouts in different orders fail at the
-        first one that differs); else all raise. One all-gather of 7 x 48 bytes per rank."""
+        first one that differs); else all raise. One all-gather of 8 x 48 bytes per rank."""
         world = id(dist.group.WORLD)
         self.serial = _BUILT.get(world, 0)
         _BUILT[world] = self.serial + 1
@@ -263,6 +280,7 @@ class ParallelLayout:
             "ring_size": ring_size,
             "tp_size": self.tp_size,
             "head_chunks": self.head_chunks,
+            "mixer_split": self.mixer_split,
             "timeout": self.timeout,
             "device_type": self.device_type,
         }

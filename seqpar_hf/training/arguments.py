@@ -55,6 +55,15 @@ class SequenceParallelFields:
             "auto: chosen by the exchange's size (1 where it is too small to pay, e.g. on CPU); N: at most N."
         },
     )
+    sp_mixer_split: str = field(
+        default="auto",
+        metadata={
+            "help": "Token mixers outside attention (gated DeltaNets, Mamba, Mamba2) proven both ways: auto: along "
+            "the sequence (1/sp of their activations, a few states sent), by heads where a fused kernel hides the "
+            "scan at run time; heads: by heads (an all-to-all of the layer's inputs; faster for Mamba2 on a GPU).",
+            "choices": ["auto", "heads"],
+        },
+    )
     tp_size: int = field(
         default=1,
         metadata={

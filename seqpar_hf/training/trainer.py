@@ -58,7 +58,12 @@ class SequenceParallelMixin(ReplicaMixin, SafeCheckpointMixin, ShardedModelMixin
             args.device,
         )
         self.layout = layout or ParallelLayout(
-            args.sp_size, args.sp_mode, args.sp_ring_size, args.tp_size, head_chunks=args.head_chunks()
+            args.sp_size,
+            args.sp_mode,
+            args.sp_ring_size,
+            args.tp_size,
+            head_chunks=args.head_chunks(),
+            mixer_split=getattr(args, "sp_mixer_split", "auto"),
         )
         check_same_arguments(args, args.device)  # after the layout's own check, which names its fields better
         # the layout's groups wait as long as the default group (ddp_timeout), not torch's 30 minutes

@@ -35,13 +35,14 @@ def grad_errors(patched, reference) -> tuple[float, str]:
 
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
-    overrides), checkpointing, head_chunks (the layout's), eval (compare gathered logits without labels
+    overrides), checkpointing, head_chunks and mixer_split (the layout's), eval (compare gathered logits without labels
     instead of loss + gradients), float64 (the model in float64)."""
     layout = seqpar_hf.ParallelLayout(
         sp_size=case["sp"],
         mode=case.get("mode", "ulysses"),
         ring_size=case.get("ring_size"),
         head_chunks=case.get("head_chunks", "auto"),
+        mixer_split=case.get("mixer_split", "auto"),
     )
     family = case["family"]
     model = build_model(family, seed=case.get("seed", 0), **case.get("model", {}))
@@ -248,6 +249,7 @@ def _cases_world2():
                 second_batch=dict(length=7),
             ),
             dict(base, name=f"{tag}-mamba2-checkpointing", family="mamba2", checkpointing=True),
+            dict(base, name=f"{tag}-mamba2-by-heads", family="mamba2", mixer_split="heads"),
             # Jamba's layers call its Mamba without the context: the recompute sets it again (mixers/gathered.py)
             dict(
                 base,

@@ -14,36 +14,35 @@ SPLIT = ("sequence", "heads")
 
 def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
     """{path: ("sequence", "heads" or why it runs whole, the wrapper's maker)}; raises for a model without
-    attention whose mixers would all run whole (every rank the whole model: it divides nothing)."""
+    attention whose mixers would all run whole (every rank the whole model: it divides nothing).
+
+    Both splits are proven for every mixer (once per kind of module: its class and shapes, the same code path).
+    `layout.mixer_split` "auto" takes the split along the sequence (1/sp of the activations, a few states sent),
+    with the head split as what a fused kernel's run takes instead; "heads" the head split (one all-to-all of the
+    layer's inputs; the faster on a GPU for Mamba2's few large kernels: benchmarks/README.md)."""
     backbone, decided, proofs = family.backbone, {}, {}
+    prefer_heads = getattr(layout, "mixer_split", "auto") == "heads"
     for name in family.mixers:
         module = backbone.get_submodule(name)
-        conv, scans = halo.depthwise_conv(module), scan.find(module)
-        if conv is not None or scans:  # proven once per kind of module (its class and shapes: the same code path)
-            key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()))
-            if key not in proofs:
-                proofs[key] = sequence.prove(module, module.forward, conv, scans, layout.sp_size)
-            if proofs[key] is None:
-                make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans: (
-                    sequence.SequenceMixer(st, m, original, s, holder, c, f)
-                )
-                decided[name] = ("sequence", make)
-                continue
-        split = heads.head_layout(module)
-        if isinstance(split, heads.SsdLayout) and split.groups < layout.sp_size:  # heads of one group per rank
-            split = heads.SsdLayout(split.groups, split.per_group, split.dim, split.state, by_heads=True)
-        why = (
-            "has no head layout known here"
-            if split is None
-            else heads.prove(module, module.forward, split, layout.sp_size)
-        )
-        if why is None:
-            make = lambda st, original, s, holder, m=module, h=split: heads.HeadParallelMixer(
+        key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()))
+        if key not in proofs:
+            proofs[key] = (_sequence(module, layout.sp_size), _heads(module, layout.sp_size))
+        (along, along_why), (split, split_why) = proofs[key]
+        by_heads = None
+        if split is not None:
+            by_heads = lambda st, original, s, holder, m=module, h=split: heads.HeadParallelMixer(
                 st, m, original, s, holder, h
             )
-            decided[name] = ("heads", make)
+        if along is not None and not (prefer_heads and by_heads is not None):
+            conv, scans = along
+            make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans, b=by_heads: (
+                sequence.SequenceMixer(st, m, original, s, holder, c, f, b(st, original, s, holder) if b else None)
+            )
+            decided[name] = ("sequence", make)
+        elif by_heads is not None:
+            decided[name] = ("heads", by_heads)
         else:
-            decided[name] = (why, None)
+            decided[name] = (split_why or along_why or "", None)
     if family.mixers and not family.attention and not any(way in SPLIT for way, _ in decided.values()):
         name = sorted(family.mixers)[0]
         raise ValueError(
@@ -53,6 +52,26 @@ def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
             "Train it without sequence parallelism"
         )
     return decided
+
+
+def _sequence(module, n: int):
+    """((conv, scans), None) where the split along the sequence is proven for `n` ranks, else (None, why)."""
+    conv, scans = halo.depthwise_conv(module), scan.find(module)
+    if conv is None and not scans:
+        return None, None
+    why = sequence.prove(module, module.forward, conv, scans, n)
+    return ((conv, scans), None) if why is None else (None, why)
+
+
+def _heads(module, n: int):
+    """(the head layout, None) where the head split is proven for `n` ranks, else (None, why)."""
+    split = heads.head_layout(module)
+    if isinstance(split, heads.SsdLayout) and split.groups < n:  # heads of one group per rank
+        split = heads.SsdLayout(split.groups, split.per_group, split.dim, split.state, by_heads=True)
+    if split is None:
+        return None, "has no head layout known here"
+    why = heads.prove(module, module.forward, split, n)
+    return (split, None) if why is None else (None, why)
 
 
 def install(state, family, layout, decided: dict) -> dict:

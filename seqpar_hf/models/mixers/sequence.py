@@ -81,18 +81,21 @@ class SequenceMixer(GatheredMixer):
     """`module.forward` of a mixer proven to split along the sequence (a halo for its convolution, its scan's
     state passed)."""
 
-    def __init__(self, state, module: nn.Module, original, side: str, holder, conv, scans: dict):
+    def __init__(self, state, module: nn.Module, original, side: str, holder, conv, scans: dict, fallback=None):
         super().__init__(state, original, side, holder)
         self.module, self.conv, self.scans = module, conv, scans
+        self.fallback = fallback  # the head split, where proven: what a fused kernel's run takes instead of whole
         self._plans: dict = {}
-        self.whole = False  # set when a fused kernel is seen computing the convolution or scan: whole from then on
+        self.whole = self.fused = False  # set when a fused kernel is seen (fused) or a call cannot split: for good
 
     def __call__(self, *args, **kwargs):
         ctx = carried(kwargs) or self.holder.ctx
         if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
-        if self.whole or self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):
+        if self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):
             return super().__call__(*args, **kwargs)  # the cache takes the whole sequence's last inputs and state
+        if self.whole:
+            return self._whole("", args, kwargs)
         layout, plan = ctx.layout, ctx.plan(self.side)
         x = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         group, rank = layout.sp_group, layout.sp_rank
@@ -105,18 +108,22 @@ class SequenceMixer(GatheredMixer):
         except scan.Unsplit as exc:  # the same on every rank: the call's arguments are the group's
             return self._whole(str(exc), args, kwargs)
         if why is not None:  # a fused kernel (CUDA) ran it without the halo or the state: every rank alike
-            return self._whole(why, args, kwargs)
+            return self._whole(why, args, kwargs, fused=True)
         return out
 
-    def _whole(self, why: str, args, kwargs):
+    def _whole(self, why: str, args, kwargs, fused: bool = False):
+        """From now on the mixer runs by heads (a fused kernel hid the scan, and the head split is proven: the
+        kernel runs on each rank's heads), else whole; said once."""
+        by_heads = self.fallback is not None and (fused or self.fused)
         if not self.whole:
-            self.whole = True
+            self.whole, self.fused = True, fused
+            instead = "split by heads" if by_heads else "on the whole sequence on every rank"
             warnings.warn(
                 f"seqpar_hf: {type(self.module).__name__} {why} (a fused kernel?), not as proven at patch_model: "
-                "it runs on the whole sequence on every rank instead of split along it",
+                f"it runs {instead} instead of split along it",
                 stacklevel=3,
             )
-        return super().__call__(*args, **kwargs)
+        return self.fallback(*args, **kwargs) if by_heads else super().__call__(*args, **kwargs)
 
 
 def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: int) -> str | None:
