@@ -16,12 +16,12 @@ CAUSES = (  # (pattern in the message, cause), first match wins
         "tensor parallelism: a relative position bias table shared by all heads (T5)",
     ),
     (
-        r"runs on the whole sequence, which tensor parallelism",
-        "a token mixer run on the whole sequence, under tensor parallelism (named)",
+        r"runs on the whole sequence, which tensor parallelism|not under tensor parallelism",
+        "a token mixer (a convolution or a scan) under tensor parallelism (named)",
     ),
     (
         r"mixes tokens without attention",
-        "token mixers without attention through the interface (Mamba, RWKV, xLSTM: run whole, nothing divided)",
+        "token mixers without attention through the interface that no split applies to (RWKV, xLSTM: nothing divided)",
     ),
     (
         r"caches a token mixer's states|token mixers' states .* in a cache of its own|has no layer index of its own",

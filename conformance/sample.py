@@ -108,7 +108,7 @@ EXPECT_REFUSED: dict[tuple, str] = {
     ("llama", "tp2", G): _TP_GENERATE,
     ("opt", "ulysses", K): "lets model.decoder.layers.0.self_attn (OPTAttention) attend across the documents",
     ("gpt_oss", "ulysses", K): "lets model.layers.0.self_attn (GptOssAttention) attend across the documents",
-    ("lfm2", "tp2"): "layers.0.conv (Lfm2ShortConv) mixes tokens outside attention and runs on the whole sequence",
+    ("lfm2", "tp2"): "layers.0.conv (Lfm2ShortConv) mixes tokens outside attention (a convolution or a scan)",
     ("zamba", "ulysses", G): "attention module layers.1.shared_transf.self_attn has no layer index of its own",
     ("openai-gpt", "ulysses"): "transformer.h.0.attn (Attention) computes attention itself",
     ("bloom", "ulysses"): "transformer (BloomModel) computes attention itself",  # its ALiBi over the sequence

@@ -507,6 +507,9 @@ def test_attention_free_models_split_their_mixers_or_are_refused(model_type, cla
     assert family.mixers and not family.attention
     decided = install.decide(family, SimpleNamespace(sp_size=2))
     assert {way for way, _ in decided.values()} == {"sequence"}
+    for name, (_, make) in decided.items():  # proven once for both layers, each wrapper given its own convolution
+        module = family.backbone.get_submodule(name)
+        assert make(SimpleNamespace(), module.forward, "decoder", None).conv is module.conv1d, name
     monkeypatch.setattr(scan, "find", lambda module: {})
     monkeypatch.setattr(heads, "head_layout", lambda module: None)
     with pytest.raises(ValueError) as info:

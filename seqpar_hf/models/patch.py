@@ -109,8 +109,9 @@ def patch_model(
         name = sorted(family.mixers)[0]
         raise ValueError(
             f"seqpar_hf cannot shard {type(family.pretrained).__name__} with tensor parallelism: "
-            f"{name} ({type(family.backbone.get_submodule(name)).__name__}) mixes tokens outside attention and "
-            "runs on the whole sequence, which tensor parallelism does not split. Use tp_size=1"
+            f"{name} ({type(family.backbone.get_submodule(name)).__name__}) mixes tokens outside attention (a "
+            "convolution or a scan), which seqpar_hf splits along the sequence or by heads over the SP group but "
+            "not under tensor parallelism. Use tp_size=1 (sp_size alone splits it)"
         )
     if tp > 1:
         tensor_parallel.check(family, layout)

@@ -24,17 +24,19 @@ def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
     prefer_heads = getattr(layout, "mixer_split", "auto") == "heads"
     for name in family.mixers:
         module = backbone.get_submodule(name)
+        # this module's own convolution (its weight), scan functions and head layout; the proofs once per kind of
+        # module (its class and shapes: the same code path)
+        conv, scans, split = halo.depthwise_conv(module), scan.find(module), _head_layout(module, layout.sp_size)
         key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()))
         if key not in proofs:
-            proofs[key] = (_sequence(module, layout.sp_size), _heads(module, layout.sp_size))
-        (along, along_why), (split, split_why) = proofs[key]
+            proofs[key] = (_sequence(module, conv, scans, layout.sp_size), _heads(module, split, layout.sp_size))
+        along_why, split_why = proofs[key]
         by_heads = None
-        if split is not None:
+        if split_why is None:
             by_heads = lambda st, original, s, holder, m=module, h=split: heads.HeadParallelMixer(
                 st, m, original, s, holder, h
             )
-        if along is not None and not (prefer_heads and by_heads is not None):
-            conv, scans = along
+        if along_why is None and not (prefer_heads and by_heads is not None):
             make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans, b=by_heads: (
                 sequence.SequenceMixer(st, m, original, s, holder, c, f, b(st, original, s, holder) if b else None)
             )
@@ -42,7 +44,7 @@ def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
         elif by_heads is not None:
             decided[name] = ("heads", by_heads)
         else:
-            decided[name] = (split_why or along_why or "", None)
+            decided[name] = (split_why or along_why or "", None)  # the head split's reason first, as before
     if family.mixers and not family.attention and not any(way in SPLIT for way, _ in decided.values()):
         name = sorted(family.mixers)[0]
         raise ValueError(
@@ -54,24 +56,25 @@ def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
     return decided
 
 
-def _sequence(module, n: int):
-    """((conv, scans), None) where the split along the sequence is proven for `n` ranks, else (None, why)."""
-    conv, scans = halo.depthwise_conv(module), scan.find(module)
+def _sequence(module, conv, scans: dict, n: int) -> str | None:
+    """None where the split along the sequence (`conv`'s halo, `scans`' states) is proven for `n` ranks, else
+    why not."""
     if conv is None and not scans:
-        return None, None
-    why = sequence.prove(module, module.forward, conv, scans, n)
-    return ((conv, scans), None) if why is None else (None, why)
+        return "has no convolution or scan found here"
+    return sequence.prove(module, module.forward, conv, scans, n)
 
 
-def _heads(module, n: int):
-    """(the head layout, None) where the head split is proven for `n` ranks, else (None, why)."""
+def _head_layout(module, n: int):
+    """The module's head layout for `n` ranks, or None."""
     split = heads.head_layout(module)
     if isinstance(split, heads.SsdLayout) and split.groups < n:  # heads of one group per rank
         split = heads.SsdLayout(split.groups, split.per_group, split.dim, split.state, by_heads=True)
-    if split is None:
-        return None, "has no head layout known here"
-    why = heads.prove(module, module.forward, split, n)
-    return (split, None) if why is None else (None, why)
+    return split
+
+
+def _heads(module, split, n: int) -> str | None:
+    """None where the head split `split` is proven for `n` ranks, else why not."""
+    return "has no head layout known here" if split is None else heads.prove(module, module.forward, split, n)
 
 
 def install(state, family, layout, decided: dict) -> dict:
