@@ -171,11 +171,12 @@ def test_help_starts_with_the_sequence_parallel_flags(recipes, recipe_name, caps
     assert exit_.value.code == 0 and out.startswith("usage: ") and out.splitlines()[1] == ""
     assert re.findall(r"^(\S.*):$", out, re.M) == ["options", *HELP_SECTIONS[recipe_name]]
     sp = out.split("sequence parallelism (seqpar_hf):")[1].split("\n\n")[0]
-    assert re.findall(r"^  (--\w+)", sp, re.M)[:5] == [
+    assert re.findall(r"^  (--\w+)", sp, re.M)[:6] == [
         "--sp_size",
         "--sp_mode",
         "--sp_ring_size",
         "--sp_head_chunks",
+        "--sp_mixer_split",
         "--tp_size",
     ]
     recipe = recipes[recipe_name]
