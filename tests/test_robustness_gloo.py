@@ -30,6 +30,7 @@ EXPECTED = {
     "unknown-mode": "ValueError: unknown sequence-parallel mode 'stripes'",
     "layout-modes-differ": LAYOUTS + "mode: rank 0: 'ulysses', rank 1: 'ring'",
     "layout-sp-sizes-differ": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1",
+    "layout-mixer-splits-differ": LAYOUTS + "mixer_split: rank 0: 'auto', rank 1: 'heads'",
     "layout-tp-vs-sp": LAYOUTS + "sp_size: rank 0: 2, rank 1: 1; tp_size: rank 0: 1, rank 1: 2",
     "layout-one-rank-invalid": LAYOUTS + "sp_size: rank 0: 4, rank 1: 2",
     "layouts-in-another-order": LAYOUTS

@@ -40,6 +40,9 @@ def layout_cases(results: dict) -> None:
         lambda: seqpar_hf.ParallelLayout(sp_size=2, mode=per_rank(("ulysses", "ring")))
     )
     results["layout-sp-sizes-differ"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=per_rank((2, 1))))
+    results["layout-mixer-splits-differ"] = attempt(  # the ranks would run different collectives in the mixers
+        lambda: seqpar_hf.ParallelLayout(sp_size=2, mixer_split=per_rank(("auto", "heads")))
+    )
     results["layout-tp-vs-sp"] = attempt(
         lambda: seqpar_hf.ParallelLayout(**per_rank(({"sp_size": 2}, {"sp_size": 1, "tp_size": 2})))
     )
