@@ -49,6 +49,8 @@ def test_tokens_and_scores_equal_the_unpatched_model(results, size, name):
             assert r["cache_keys"] <= r["reference_keys"] // size + 2 * size, r
         elif "cross_keys" in r:  # cross-attention K/V of this rank's source positions only (padded to a multiple of sp)
             assert r["cross_keys"] == -(-r["reference_cross_keys"] // size), r
+        if "prompts_split" in r:  # the prompt's forward split its mixers too, leaving the unpatched cache's states
+            assert r["prompts_split"] == r["prompts_expected"] and r["states_err"] < TOL, r
 
 
 def _refusals(results):

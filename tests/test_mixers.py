@@ -240,3 +240,41 @@ def test_a_scan_is_split_only_where_the_split_is_its_output():
         assert (why is None) == ok, why
         if not ok:
             assert "not its output" in why
+
+
+@pytest.mark.parametrize(
+    "model_type,class_name,child",
+    [
+        ("lfm2", "Lfm2ForCausalLM", "conv"),  # a convolution only
+        ("qwen3_5", "Qwen3_5ForCausalLM", "linear_attn"),  # gated delta rule
+        ("granitemoehybrid", "GraniteMoeHybridForCausalLM", "mamba"),  # SSD
+        ("mamba", "MambaForCausalLM", "mixer"),  # the selective scan, no initial state
+    ],
+)
+def test_the_prompt_forward_splits_leaving_the_unpatched_cache_states(model_type, class_name, child, monkeypatch):
+    """Generation's prompt forward split along the sequence: each shard's outputs are the module's, and every
+    rank's cache layer (a fresh copy of the one the model's own cache gives the mixer) ends with the states of the
+    module's forward over the whole prompt: its convolution's last inputs (gathered from the ranks holding them,
+    the padding that makes the prompt divisible by sp left out) and its scan's final state (from the rank holding
+    the last real token). Without the gathered convolution inputs, or with each rank's own run's final state, not."""
+    from seqpar_hf.models.generation import sharded_cache
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny(model_type, class_name)[0].float()
+    module = next(m for n, m in model.named_modules() if n.endswith(f"layers.0.{child}"))
+    states = sharded_cache.unpatched_states(model)[0]
+    index = module.layer_idx
+    fresh = lambda: __import__("copy").deepcopy(states[index])
+    make = lambda n, r: sharded_cache.SequenceShardedCache(n, r, None, {index: fresh()})
+    conv, scans = halo.depthwise_conv(module), scan.find(module)
+    for n in (2, 3, 4):
+        assert sequence.prove_prefill(module, module.forward, conv, scans, n, make) is None, n
+    with monkeypatch.context() as m:  # each rank keeps its own last convolution inputs
+        m.setattr(halo.ConvTail, "__call__", lambda self, x, k=None: (x[..., -(k or self.k) :], self.plan.length))
+        assert "whole prompt's states" in sequence.prove_prefill(module, module.forward, conv, scans, 2, make)
+    if scans:  # each rank keeps the final state of its own runs
+        m = monkeypatch
+        m.setattr(scan.StatePassing, "_final", lambda self, kind, call: self.last[1] if self.last[1] is not None
+                  else torch.zeros(self._final_shape(kind, call), dtype=self.last[0]))  # fmt: skip
+        assert "whole prompt's states" in sequence.prove_prefill(module, module.forward, conv, scans, 2, make)

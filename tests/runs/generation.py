@@ -19,6 +19,7 @@ from transformers import (
 
 import seqpar_hf
 from seqpar_hf.models.generation import sharded_cache
+from seqpar_hf.models.mixers import sequence
 
 from ..helpers.models import SEQ2SEQ, VOCAB, build_model, relative_error
 
@@ -139,6 +140,11 @@ def run_case(case: dict) -> dict:
     }
     if case.get("beams", 1) > 1:
         result["sequence_scores_err"] = relative_error(out.sequences_scores, want.sequences_scores)
+    split = [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), sequence.SequenceMixer)]
+    if split:  # mixers split along the sequence: the prompt's forward split too, the cache's states the unpatched's
+        result["prompts_split"] = sum(f.prompts_split for f in split)
+        result["prompts_expected"] = len(split)  # one prompt forward (beams expand the batch before it)
+        result["states_err"] = _states_error(out.cache, want.cache)
     windowed = "sliding_window" in case.get("model", {}) or case.get("windowed")  # evicted every EVICT_EVERY steps
     if family not in SEQ2SEQ and not windowed:  # the cache stays sharded: this rank's keys are about 1/sp of them
         keys = lambda cache: sum(  # attention layers (a mixer's layer caches states, no keys)
@@ -149,6 +155,21 @@ def run_case(case: dict) -> dict:
         result["cross_keys"] = out.cache.cross_attention_cache.layers[0].keys.shape[2]
         result["reference_cross_keys"] = want.cache.cross_attention_cache.layers[0].keys.shape[2]
     return result
+
+
+def _states_error(got, want) -> float:
+    """The largest relative error of the mixers' cached states (convolution inputs, recurrent states, token counts)
+    after generation, this rank's cache against the unpatched one; inf where they differ in kind or shape."""
+    worst = 0.0
+    for i in range(len(want.layers)):
+        theirs = sequence.cache_states(want, i)
+        if isinstance(theirs, str):
+            continue
+        mine = sequence.cache_states(got, i)
+        if isinstance(mine, str) or len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+            return float("inf")
+        worst = max([worst, *(relative_error(a.double(), b.double()) for a, b in zip(mine, theirs))])
+    return worst
 
 
 def _cases(world: int) -> list[dict]:
@@ -184,6 +205,9 @@ def _cases(world: int) -> list[dict]:
             # gated DeltaNet layers: the prompt's states (convolution and recurrent) in the cache, reordered by beams
             dict(base, name="ring-qwen3_5-deltanet-beam4", family="qwen3_5", mode="ring", beams=4),
             dict(base, name="ulysses-qwen3_next-deltanet-beam4", family="qwen3_next", beams=4),
+            # attention-free: the prompt's forward split along the sequence (Mamba2's SSD, Mamba's selective scan)
+            dict(base, name="ring-mamba2-greedy", family="mamba2", mode="ring"),
+            dict(base, name="ulysses-mamba-beam4", family="mamba", beams=4),
         ]
     base = dict(sp=4)
     return [
@@ -209,6 +233,8 @@ def _cases(world: int) -> list[dict]:
             beams=4,
         ),
         dict(base, name="sp4-ring-mixtral-moe-greedy", family="mixtral", mode="ring"),
+        # more ranks than the DeltaNet's key heads: the prompt's states passed over 4 ranks, zigzag
+        dict(base, name="sp4-ring-qwen3_5-deltanet-greedy", family="qwen3_5", mode="ring"),
     ]
 
 

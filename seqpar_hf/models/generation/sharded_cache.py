@@ -24,8 +24,10 @@ ordinary sharded forward (the attention module stores its local K/V here before 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from ...attention.masks import Chunks
 
@@ -223,8 +225,23 @@ class SequenceShardedCache(Cache):
                     self.layers.append(states[i])
                 else:
                     self._append()
+        # set while a mixer split along the sequence runs its prompt forward (`update_conv_state`)
+        self.conv_tail: Callable | None = None
         # (index [n], valid [b or 1, n] | None, length, left padding [b] | None) while the prefill runs
         self._prompt: tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None] | None = None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        """A mixer split along the sequence in the prompt's forward (`conv_tail` set, `mixers/halo.ConvTail`): the
+        layer keeps the whole prompt's last inputs and counts its tokens, as unpatched; the mixer convolves its own
+        tokens (their halo added by the mixer), so they are what is returned."""
+        if self.conv_tail is None:
+            return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+        tail, length = self.conv_tail(conv_states, kwargs.get("conv_kernel_size"))
+        super().update_conv_state(tail, layer_idx, state_idx, **kwargs)
+        count = getattr(self.layers[layer_idx], "cumulative_length_linear", None)
+        if state_idx == 0 and isinstance(count, torch.Tensor):
+            count.add_(length - tail.shape[-1])
+        return conv_states
 
     def begin_prefill(self, index: torch.Tensor, valid: torch.Tensor | None, length: int, lead=None) -> None:
         """The sharded prefill forward is about to run: its local tokens sit at these global indices."""
@@ -232,6 +249,11 @@ class SequenceShardedCache(Cache):
 
     def end_prefill(self) -> None:
         self._prompt = None
+
+    @property
+    def prefilling(self) -> bool:
+        """The prompt's sharded forward is running."""
+        return self._prompt is not None
 
     def _append(self) -> None:
         i = len(self.layers)
@@ -259,7 +281,18 @@ class SequenceShardedCache(Cache):
         sharded = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
         if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], ShardedLayer):
             return self.layers[layer_idx].get_seq_length()
-        return sharded[0].get_seq_length() if sharded else 0
+        if sharded:
+            return sharded[0].get_seq_length()
+        # a model without attention (Mamba): the tokens its mixers' state layers counted, as the unpatched cache
+        # says (else every decoding step would look like the prompt's forward)
+        counts = [layer.get_seq_length() for layer in self.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        return int(counts[0]) if counts else 0
+
+    def fresh(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` holds no mixer state yet (the prompt's forward has not reached it)."""
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        held = getattr(layer, "has_previous_state", None)
+        return isinstance(held, (dict, list)) and not any(held.values() if isinstance(held, dict) else held)
 
     def reader(self, layer_idx: int, key: torch.Tensor, window: int | None) -> ShardedLayer:
         """The shard that layer `layer_idx`'s attention reads in a decoding step, given its keys and window:

@@ -80,6 +80,24 @@ class Halos:
         return [padded.index_select(-1, row) for row in self.take]
 
 
+class ConvTail:
+    """In generation's prompt forward: the whole prompt's last k convolution inputs (zeros before its start, as the
+    cache pads a short prompt; the padding that makes it divisible by sp left out), each from the rank holding it,
+    one all-gather: the convolution state the unpatched cache keeps. The sequence-sharded cache calls it
+    (`SequenceShardedCache.update_conv_state`); returns (the state [b, C, k], the prompt's length)."""
+
+    def __init__(self, plan: ShardPlan, rank: int, k: int, gather):
+        self.plan, self.rank, self.k, self.gather = plan, rank, k, gather
+
+    def __call__(self, x: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, int]:
+        k, length = k or self.k, self.plan.length
+        index = self.plan.global_index(self.rank).to(x.device)
+        keep = (index >= length - k) & (index < length)
+        placed = x.new_zeros(*x.shape[:-1], k)
+        placed[..., index[keep] - (length - k)] = x[..., keep]
+        return self.gather(placed).unflatten(-1, (-1, k)).sum(-2), length
+
+
 class _AllGatherColumns(torch.autograd.Function):
     """[b, C, w] on each rank -> [b, C, sp * w] in rank order; the backward sums the gradient over the group and
     keeps this rank's columns."""

@@ -4,9 +4,11 @@ before anything is patched, installed and logged once."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 from ...parallel import announce
+from ..generation import sharded_cache
 from . import gathered, halo, heads, scan, sequence
 
 SPLIT = ("sequence", "heads")
@@ -29,16 +31,18 @@ def decide(family, layout) -> dict[str, tuple[str, Callable | None]]:
         conv, scans, split = halo.depthwise_conv(module), scan.find(module), _head_layout(module, layout.sp_size)
         key = (type(module), tuple((n, tuple(t.shape)) for n, t in module.named_parameters()))
         if key not in proofs:
-            proofs[key] = (_sequence(module, conv, scans, layout.sp_size), _heads(module, split, layout.sp_size))
-        along_why, split_why = proofs[key]
+            along = _sequence(module, conv, scans, layout.sp_size)
+            prefill = along is None and _prefill(family, module, conv, scans, layout.sp_size)
+            proofs[key] = (along, _heads(module, split, layout.sp_size), prefill)
+        along_why, split_why, prefill = proofs[key]
         by_heads = None
         if split_why is None:
             by_heads = lambda st, original, s, holder, m=module, h=split: heads.HeadParallelMixer(
                 st, m, original, s, holder, h
             )
         if along_why is None and not (prefer_heads and by_heads is not None):
-            make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans, b=by_heads: (
-                sequence.SequenceMixer(st, m, original, s, holder, c, f, b(st, original, s, holder) if b else None)
+            make: Callable | None = lambda st, original, s, holder, m=module, c=conv, f=scans, b=by_heads, p=prefill: (
+                sequence.SequenceMixer(st, m, original, s, holder, c, f, b(st, original, s, holder) if b else None, p)
             )
             decided[name] = ("sequence", make)
         elif by_heads is not None:
@@ -62,6 +66,22 @@ def _sequence(module, conv, scans: dict, n: int) -> str | None:
     if conv is None and not scans:
         return "has no convolution or scan found here"
     return sequence.prove(module, module.forward, conv, scans, n)
+
+
+def _prefill(family, module, conv, scans: dict, n: int) -> bool:
+    """Whether generation's prompt forward splits along the sequence too, proven with a fresh copy of the cache
+    layer the model's own cache gives this mixer (else that forward runs it whole, as before)."""
+    index = getattr(module, "layer_idx", None)
+    if family.kind != "causal" or not isinstance(index, int):
+        return False
+    try:
+        states = sharded_cache.unpatched_states(family.pretrained)[0]
+    except Exception:  # noqa: BLE001 - a config transformers' cache cannot be built from: generate refuses it anyway
+        return False
+    if index not in states:
+        return False
+    make = lambda n, r: sharded_cache.SequenceShardedCache(n, r, None, {index: copy.deepcopy(states[index])})
+    return sequence.prove_prefill(module, module.forward, conv, scans, n, make) is None
 
 
 def _head_layout(module, n: int):

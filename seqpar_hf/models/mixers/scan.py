@@ -15,7 +15,10 @@ gradients over the group, each rank keeping its own: the gradient reaches the to
 Which function is the scan is read off the module's code: a callable its forward reaches by a global name (through
 the functions of its module that it calls) whose parameters are one of the two kinds below. Nothing is assumed:
 the split is proven at `patch_model` on a copy of the module in float64 (`sequence.prove`) before it is used. A call
-that asks for the final state (a cache) or gives document boundaries (`cu_seqlens`) is not split (`Unsplit`).
+given a state or document boundaries (`cu_seqlens`) is not split (`Unsplit`); one asking for the final state (a cache)
+only in generation's prompt forward (`final_length`), where every rank gets the sequence's final state: the scan's
+from the state before the run holding the last real token (the padding that makes the prompt divisible by sp left
+out), summed over the ranks (only that rank's is not zero).
 """
 
 from __future__ import annotations
@@ -130,9 +133,13 @@ class StatePassing:
     over the ranks in rank order ([1, 1, sp * w]; the proof's stand-in records); `order` lists every rank's runs
     as (rank, index, global start)."""
 
-    def __init__(self, space: dict, scans: dict[str, Kind], runs, order, rank: int, gather: Callable):
+    def __init__(
+        self, space: dict, scans: dict[str, Kind], runs, order, rank: int, gather: Callable, final_length=None
+    ):
         self.space, self.scans, self.runs, self.order, self.rank = space, scans, runs, order, rank
         self.gather, self.seen = gather, 0
+        self.final_length: int | None = final_length  # the prompt's real tokens: a scan asked for its final state
+        self.last: tuple | None = None
         self._saved: dict = {}
         counts: dict = {}
         for r, _, _ in order:
@@ -162,11 +169,15 @@ class StatePassing:
             call = dict(bound.arguments)
             extra = call.pop(next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {})
             call.update(extra)
-            if call.get(kind.initial) is not None or call.get(kind.final_flag):
+            final = bool(call.get(kind.final_flag))
+            if (kind.initial and call.get(kind.initial) is not None) or (final and self.final_length is None):
                 raise Unsplit("a scan given a state or asked for its final state (a cache)")
             if any(call.get(k) is not None for k in ("cu_seqlens", "seq_idx")):
                 raise Unsplit("a scan given document boundaries")
+            self.last = None  # (dtype, the final state of the run holding the last real token, or None)
             out = self._split(original, kind, call)
+            if final:
+                return out, self._final(kind, call)
             return (out, None) if kind.pair else out
 
         return split
@@ -192,6 +203,7 @@ class StatePassing:
             v = piece[kind.value]
             if glob == starts[0]:  # the sequence's first run: its outputs and final state from a zero start
                 out, final = fn(**{**piece, kind.final_flag: True})
+                self._keep_final(fn, kind, piece, None, glob, n, final)
                 parts.append(out)
                 states.append(torch.cat([final.to(dtype), _zeros(v, m, dtype)], kind.value_axis))
             elif glob == starts[-1]:  # the last: no run needs its state; zeros, tied after its inputs (_Tie)
@@ -216,9 +228,43 @@ class StatePassing:
                 s0, t = _split_state(kind, everyone[r, i], dv)
                 incoming = s0 if incoming is None else (_apply(kind, t, incoming) + s0)
             piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
-            out, _ = fn(**{**piece, kind.initial: incoming, kind.final_flag: True})
+            out, final = fn(**{**piece, kind.initial: incoming, kind.final_flag: True})
+            self._keep_final(fn, kind, piece, incoming, glob, n, final)
             outs.append(out)
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
+
+    def _keep_final(self, fn, kind: Kind, piece: dict, incoming, glob: int, n: int, final) -> None:
+        """In the prompt's forward: the final state's dtype, and the sequence's final state if this run holds its
+        last real token (the scan redone without the padding after it, if any)."""
+        end = self.final_length
+        if end is None:
+            return
+        if not glob < end <= glob + n:
+            self.last = self.last or (final.dtype, None)
+            return
+        if end < glob + n:
+            real = {k: (v.narrow(kind.seq_dim, 0, end - glob) if k in kind.tokens and v is not None else v)
+                    for k, v in piece.items()}  # fmt: skip
+            extra = {kind.initial: incoming} if kind.initial else {}
+            final = fn(**{**real, **extra, kind.final_flag: True})[1]
+        self.last = (final.dtype, final)
+
+    def _final(self, kind: Kind, call: dict) -> torch.Tensor:
+        """The sequence's final state on every rank: the one rank's that holds the last real token, summed with the
+        others' zeros (one all-gather)."""
+        assert self.last is not None  # every run of the call kept its final state's dtype
+        dtype, final = self.last
+        if final is None:
+            final = torch.zeros(self._final_shape(kind, call), dtype=dtype, device=call[kind.value].device)
+        everyone = self._exchange([final])
+        return everyone.sum((0, 1)).to(dtype)
+
+    def _final_shape(self, kind: Kind, call: dict) -> tuple[int, ...]:
+        value, key = call[kind.value], call[kind.key_source]
+        if not kind.initial:  # the selective scan's [b, channels, n]
+            return (value.shape[0], value.shape[1], key.shape[1])
+        b, h, dv, m = value.shape[0], value.shape[2], value.shape[-1], key.shape[-1]
+        return (b, h, m, dv) if kind.value_axis == -1 else (b, h, dv, m)
 
     def _split_selective(self, fn, kind: Kind, call: dict):
         """Mamba's selective scan takes no initial state, but its state decays elementwise: a run's final state
@@ -235,18 +281,19 @@ class StatePassing:
             if call.get("delta_softplus"):
                 dt = torch.nn.functional.softplus(dt)
             cum = dt.cumsum(-1)  # [b, channels, n_tokens]
-            parts.append((out, piece, cum))
+            parts.append((out, piece, cum, final.dtype))
             a = call["A"].to(cum.dtype)
             states.append(torch.stack([final.to(cum.dtype), torch.exp(a[None] * cum[..., -1:])]))
         everyone = self._exchange(states)
         outs = []
-        for (_, _, glob), (first, piece, cum) in zip(self.runs, parts):
+        for (_, _, glob), (first, piece, cum, dtype) in zip(self.runs, parts):
             incoming = None
             for r, i, g in self.order:
                 if g >= glob:
                     break
                 s0, t = everyone[r, i, 0], everyone[r, i, 1]
                 incoming = s0 if incoming is None else t * incoming + s0
+            self._keep_selective(fn, kind, piece, cum, incoming, glob, dtype)
             if incoming is None:
                 outs.append(_tie(first, everyone))
                 continue
@@ -257,6 +304,22 @@ class StatePassing:
                 added = added * torch.nn.functional.silu(piece["z"].to(added.dtype))
             outs.append(first + added.to(first.dtype))
         return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+    def _keep_selective(self, fn, kind: Kind, piece: dict, cum, incoming, glob: int, dtype) -> None:
+        """`_keep_final` for the selective scan: the run's own final state (from its real tokens) plus its incoming
+        state decayed over them."""
+        end, n = self.final_length, cum.shape[-1]
+        if end is None:
+            return
+        if not glob < end <= glob + n:
+            self.last = self.last or (dtype, None)
+            return
+        real = {k: (v.narrow(-1, 0, end - glob) if k in kind.tokens and v is not None else v) for k, v in piece.items()}
+        _, final = fn(**{**real, kind.final_flag: True})
+        final = final.to(cum.dtype)
+        if incoming is not None:
+            final = final + torch.exp(piece["A"].to(cum.dtype)[None] * cum[..., end - glob - 1, None]) * incoming
+        self.last = (dtype, final)
 
 
 def _identity(kind: Kind, value: torch.Tensor, m: int, dv: int) -> torch.Tensor:

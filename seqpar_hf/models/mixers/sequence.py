@@ -9,13 +9,20 @@ contiguous and zigzag shards of every sp: the shards' outputs, run one by one in
 states their neighbours give, are the module's own output at their tokens. Where it is not, the mixer runs as
 before (split by heads, or whole). A forward in which the convolution or the scan is not seen where the proof saw
 it (a fused CUDA kernel, causal-conv1d or mamba_ssm, ran it) is thrown away and the mixer runs whole from then on,
-with a warning (every rank takes the same path). Generation's prompt forward (the cache keeps the whole
-sequence's last inputs and state) and a forward given a cache run it whole.
+with a warning (every rank takes the same path).
+
+Generation's prompt forward splits alike where that is proven too (`prove_prefill`, with the model's own cache
+layer): the scan's final state is the sequence's on every rank (`scan.StatePassing`'s `final_length`), and the
+sequence-sharded cache keeps the whole prompt's last convolution inputs (`halo.ConvTail`), so every rank ends with
+the states the unpatched cache holds and decodes as before. Where not proven, or a fused kernel hid the scan, the
+prompt's forward runs the mixer whole (the cache layer put back first). A forward given a cache outside generation
+under SP runs it whole.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 import warnings
 from typing import cast
@@ -25,6 +32,7 @@ from torch import nn
 
 from ...parallel.sharding import ShardPlan
 from ..forward.context import CONTEXT_KWARG, ForwardContext, carried
+from ..generation.sharded_cache import SequenceShardedCache
 from . import halo, scan
 from .gathered import GatheredMixer
 
@@ -42,14 +50,24 @@ def order(plan: ShardPlan) -> list[tuple[int, int, int]]:
 class _Modes:
     """The convolution halo and the state passing of one forward of one rank, entered together."""
 
-    def __init__(self, module, conv, scans, plan: ShardPlan, rank: int, device, gather_columns, gather_states):
+    def __init__(
+        self, module, conv, scans, plan: ShardPlan, rank: int, device, gather_columns, gather_states, final=False
+    ):
         self.conv = (
             halo.ConvWithHalo(conv, halo.Halos(plan, rank, conv.kernel_size[0], device), gather_columns)
             if conv is not None
             else None
         )
         self.scan = (
-            scan.StatePassing(scan.global_space(module), scans, halo.runs(plan, rank), order(plan), rank, gather_states)
+            scan.StatePassing(
+                scan.global_space(module),
+                scans,
+                halo.runs(plan, rank),
+                order(plan),
+                rank,
+                gather_states,
+                plan.length if final else None,
+            )
             if scans
             else None
         )
@@ -81,9 +99,13 @@ class SequenceMixer(GatheredMixer):
     """`module.forward` of a mixer proven to split along the sequence (a halo for its convolution, its scan's
     state passed)."""
 
-    def __init__(self, state, module: nn.Module, original, side: str, holder, conv, scans: dict, fallback=None):
+    def __init__(
+        self, state, module: nn.Module, original, side: str, holder, conv, scans: dict, fallback=None, prefill=False
+    ):
         super().__init__(state, original, side, holder)
         self.module, self.conv, self.scans = module, conv, scans
+        self.prefill = prefill  # generation's prompt forward split too (proven: `prove_prefill`)
+        self.prompts_split = 0  # prompt forwards that ran split (tests read it)
         self.fallback = fallback  # the head split, where proven: what a fused kernel's run takes instead of whole
         self._plans: dict = {}
         self.whole = self.fused = False  # set when a fused kernel is seen (fused) or a call cannot split: for good
@@ -92,24 +114,63 @@ class SequenceMixer(GatheredMixer):
         ctx = carried(kwargs) or self.holder.ctx
         if self.state.detached or not isinstance(ctx, ForwardContext) or self.side not in ctx.seqs:
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
-        if self.state.decoding is not None or any(kwargs.get(k) is not None for k in CACHE_KWARGS):
+        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if self.state.decoding is not None or cache is not None:
+            index = getattr(self.module, "layer_idx", -1)
+            if isinstance(cache, SequenceShardedCache) and cache.prefilling and cache.fresh(index):
+                if self.prefill and not self.whole:
+                    return self._prompt(ctx, cache, args, kwargs)
             return super().__call__(*args, **kwargs)  # the cache takes the whole sequence's last inputs and state
         if self.whole:
             return self._whole("", args, kwargs)
-        layout, plan = ctx.layout, ctx.plan(self.side)
-        x = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        group, rank = layout.sp_group, layout.sp_rank
-        gather = lambda e: halo._AllGatherColumns.apply(e, group, rank)
-        modes = _Modes(self.module, self.conv, self.scans, plan, rank, x.device, gather, gather)
         try:
-            with modes:
-                out = self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
-            why = modes.seen()
+            out, why = self._split(ctx, args, kwargs)
         except scan.Unsplit as exc:  # the same on every rank: the call's arguments are the group's
             return self._whole(str(exc), args, kwargs)
         if why is not None:  # a fused kernel (CUDA) ran it without the halo or the state: every rank alike
             return self._whole(why, args, kwargs, fused=True)
         return out
+
+    def _split(self, ctx: ForwardContext, args, kwargs, cache=None):
+        """The module's forward on this rank's tokens, its convolution given its halo and its scan the state
+        before each run (with `cache`: generation's prompt forward, the whole prompt's states kept in it); (its
+        output, None) or (None, what ran instead of what the proof saw)."""
+        layout, plan = ctx.layout, ctx.plan(self.side)
+        x = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        group, rank = layout.sp_group, layout.sp_rank
+        gather = lambda e: halo._AllGatherColumns.apply(e, group, rank)
+        modes = _Modes(self.module, self.conv, self.scans, plan, rank, x.device, gather, gather, cache is not None)
+        if cache is not None and self.conv is not None:
+            cache.conv_tail = halo.ConvTail(plan, rank, self.conv.kernel_size[0], gather)
+        try:
+            with modes:
+                out = self.original(*args, **{k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
+        finally:
+            if cache is not None:
+                cache.conv_tail = None
+        why = modes.seen()
+        return (None, why) if why is not None else (out, None)
+
+    def _prompt(self, ctx: ForwardContext, cache, args, kwargs):
+        """Generation's prompt forward split along the sequence; where it cannot split (a fused kernel), the cache
+        layer is put back and the mixer runs whole for this and later prompts (a decoding step then reads the
+        whole sequence's states, as it would after the mixer split), said once."""
+        saved = _Saved(cache, getattr(self.module, "layer_idx", -1))
+        try:
+            out, why = self._split(ctx, args, kwargs, cache)
+        except scan.Unsplit as exc:
+            out, why = None, str(exc)
+        if why is None:
+            self.prompts_split += 1
+            return out
+        saved.restore()
+        self.prefill = False
+        warnings.warn(
+            f"seqpar_hf: {type(self.module).__name__} {why} in generation's prompt forward, not as proven at "
+            "patch_model: its prompt forwards run on the whole sequence on every rank instead of split along it",
+            stacklevel=3,
+        )
+        return super().__call__(*args, **kwargs)
 
     def _whole(self, why: str, args, kwargs, fused: bool = False):
         """From now on the mixer runs by heads (a fused kernel hid the scan, and the head split is proven: the
@@ -126,10 +187,60 @@ class SequenceMixer(GatheredMixer):
         return self.fallback(*args, **kwargs) if by_heads else super().__call__(*args, **kwargs)
 
 
+class _Saved:
+    """A cache layer's attributes before a prompt forward that may be redone whole (a fused kernel seen): its dicts
+    and lists copied, its token count cloned (what the forward changes in place; its states are made new)."""
+
+    def __init__(self, cache, index: int):
+        self.layer = cache.layers[index] if 0 <= index < len(cache.layers) else None
+        self.attrs = {
+            k: copy.copy(v)
+            if isinstance(v, (list, dict))
+            else v.clone()
+            if isinstance(v, torch.Tensor) and v.numel() <= 1
+            else v
+            for k, v in (vars(self.layer).items() if self.layer is not None else ())
+        }
+
+    def restore(self) -> None:
+        if self.layer is not None:
+            vars(self.layer).clear()
+            vars(self.layer).update(self.attrs)
+
+
+def cache_states(cache, index: int) -> list[torch.Tensor] | str:
+    """The states layer `index` of `cache` holds (its convolutions' last inputs, its scans' final states, its
+    token count), in a fixed order; or why none can be read."""
+    layer = cache.layers[index] if index < len(cache.layers) else None
+    names = ("conv_states", "recurrent_states")  # by state index (dicts in transformers 5.25)
+    if layer is None or not all(isinstance(getattr(layer, n, None), (list, dict)) for n in names):
+        return "keeps no convolution or recurrent states read here in its cache layer"
+    held = [getattr(layer, n) for n in names]
+    found = [t for h in held for t in (h.values() if isinstance(h, dict) else h) if isinstance(t, torch.Tensor)]
+    count = getattr(layer, "cumulative_length_linear", None)
+    return found + ([count] if isinstance(count, torch.Tensor) else [])
+
+
 def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: int) -> str | None:
     """None when, for contiguous and zigzag shards over `n` ranks, each shard's output (its halo from its
     neighbours' convolution inputs, its scan from the state of the tokens before it) is the module's own output
     at its tokens, on a random batch (two rows, the second left-padded); else why not."""
+    return _prove(module, original, conv, scans, n)
+
+
+def prove_prefill(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: int, make_cache) -> str | None:
+    """None when generation's prompt forward splits along the sequence over `n` ranks: with `make_cache(n, rank)`
+    (a sequence-sharded cache holding the module's own fresh cache layer), each shard's outputs are the module's
+    own at its tokens and each rank's cache layer ends holding what the module's forward over the whole prompt
+    leaves in it (`cache_states`); else why not."""
+    name = next((k for k in CACHE_KWARGS if k in inspect.signature(original).parameters), None)
+    index = getattr(module, "layer_idx", None)
+    if name is None or not isinstance(index, int):
+        return "takes no cache by its layer index"
+    return _prove(module, original, conv, scans, n, (name, make_cache, index))
+
+
+def _prove(module, original, conv, scans: dict, n: int, prefill=None) -> str | None:
     width = _width(module)
     if width is None:
         return "has no input width read here"
@@ -145,14 +256,25 @@ def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: i
     x = torch.randn(2, length, width, generator=g, dtype=torch.float64).to(p.device, p.dtype)
     mask = torch.ones(2, length, dtype=torch.long, device=p.device)
     mask[1, :3] = 0
-    passes = 3 if scans else 2  # the halos' columns first, then the states (from correct halos), then the outputs
+    # the halos' columns first, then the states (from correct halos), then the outputs (and the final states,
+    # gathered in the pass after)
+    passes = (3 if scans else 2) + (1 if prefill and scans else 0)
     what = "halos and states" if scans else "halos"
     try:
         with torch.no_grad(), KeepFloat64():
-            want = original(x, attention_mask=mask)
+            cached = None
+            if prefill is not None:
+                name, make_cache, index = prefill
+                ref = make_cache(1, 0)
+                want = original(x, attention_mask=mask, **{name: ref})
+                cached = (name, make_cache, index, cache_states(ref, index))
+                if isinstance(cached[3], str):
+                    return cached[3]
+            else:
+                want = original(x, attention_mask=mask)
             for zigzag in (False, True):
                 plans = [ShardPlan.build(length, n, r, ring_size=n, zigzag=zigzag) for r in range(n)]
-                err = _split_error(module, original, conv, scans, plans, passes, x, mask, want)
+                err = _split_error(module, original, conv, scans, plans, passes, x, mask, want, cached=cached)
                 if isinstance(err, str):
                     return err
                 if err > 1e-9:
@@ -163,8 +285,9 @@ def prove(module: nn.Module, original, conv: nn.Conv1d | None, scans: dict, n: i
     return None
 
 
-def _split_error(module, original, conv, scans, plans, passes, x, mask, want, drop: bool = False):
-    """The largest relative error of the shards' outputs, the ranks run one by one; or why they cannot run."""
+def _split_error(module, original, conv, scans, plans, passes, x, mask, want, drop: bool = False, cached=None):
+    """The largest relative error of the shards' outputs (and, `cached`, of the states each rank's cache ends
+    with), the ranks run one by one; or why they cannot run."""
     n, length = len(plans), x.shape[1]
     columns: list = [[None] * n for _ in range(passes)]
     states: list = [[None] * n for _ in range(passes)]
@@ -173,9 +296,16 @@ def _split_error(module, original, conv, scans, plans, passes, x, mask, want, dr
         for r, plan in enumerate(plans):
             gather_columns = _Collect(columns, step, r)
             gather_states = _Collect(states, step, r, zero=drop)
-            modes = _Modes(module, conv, scans, plan, r, x.device, gather_columns, gather_states)
+            modes = _Modes(module, conv, scans, plan, r, x.device, gather_columns, gather_states, cached is not None)
+            extra, cache = {}, None
+            if cached is not None:
+                cache = cached[1](n, r)
+                cache.begin_prefill(plan.global_index(r), None, length)
+                if conv is not None:
+                    cache.conv_tail = halo.ConvTail(plan, r, conv.kernel_size[0], gather_columns)
+                extra = {cached[0]: cache}
             with modes:
-                got = original(plan.pad_and_shard(x, 0.0), attention_mask=plan.pad_and_shard(mask, 0))
+                got = original(plan.pad_and_shard(x, 0.0), attention_mask=plan.pad_and_shard(mask, 0), **extra)
             why = modes.seen()
             if why is not None:
                 return why
@@ -183,7 +313,21 @@ def _split_error(module, original, conv, scans, plans, passes, x, mask, want, dr
             if step == passes - 1 and real.any():  # at sp=8 the proof's 35 tokens leave a rank only padding
                 ref = plan.pad_and_shard(want, 0.0)
                 err = max(err, _relative(got[:, real], ref[:, real], want))
+            if step == passes - 1 and cached is not None:
+                why = _states_differ(cache_states(cache, cached[2]), cached[3])
+                if why is not None:
+                    return why
     return err
+
+
+def _states_differ(mine, theirs: list) -> str | None:
+    """None when a rank's cache layer holds the whole prompt's states (`theirs`), else how it does not."""
+    if isinstance(mine, str) or len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+        return "its cache layer does not end with states of the kinds and shapes of the whole prompt's forward"
+    err = max(_relative(a, b, b) for a, b in zip(mine, theirs))
+    if err > 1e-9:
+        return f"its cache layer does not end with the whole prompt's states (relative error {err:.1e})"
+    return None
 
 
 class KeepFloat64:
