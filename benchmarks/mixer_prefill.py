@@ -9,8 +9,9 @@ prompt forward time.
 The model: benchmarks/mixers.py's Qwen3.5 (hidden 512, a gated DeltaNet layer then a full-attention one, key heads
 4 / value heads 8 of width 64), fp32, batch 1, eval. One rank of an sp-way group runs in one process joined to a
 fake process group (benchmarks/fake_group.py: collectives move nothing, received buffers are zeroed, so the
-tokens are not the model's; sizes and memory are): rank 1, one thread. The peak is torch's MemTracker over the
-whole generate call (weights included); the time leaves out the communication. sp = 1 is the unpatched model.
+tokens are not the model's; sizes and memory are): rank 1, one thread. The peak is that of the bytes the generate
+call allocates (every storage its ops create, from creation until freed; the weights not included); the time
+leaves out the communication. sp = 1 is the unpatched model.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from benchmarks.common import environment, fmt_bytes, table
 from benchmarks.publish import json_path, output_options, publish, write_json
@@ -32,7 +37,6 @@ def measure(seq_len: int, sp: int, path: str) -> dict:
     import seqpar_hf
     from benchmarks import fake_group
     from benchmarks.instruments import CollectiveTap
-    from benchmarks.longest_sequence import Timeline
     from benchmarks.mixers import build
     from seqpar_hf.models.forward.state import state_of
     from seqpar_hf.models.mixers import install
@@ -45,7 +49,7 @@ def measure(seq_len: int, sp: int, path: str) -> dict:
         fake_group.join(sp, rank=1)
         seqpar_hf.patch_model(model, fake_group.layout(sp_size=sp), check_inputs=False)
         wrapper = model.get_submodule(MIXER).forward
-        assert state_of(model).mixers[MIXER] == "sequence" and wrapper.prefill == (path == "sequence")
+        assert set(state_of(model).mixers.values()) == {"sequence"} and wrapper.prefill == (path == "sequence")
     ids = torch.randint(1, 1024, (1, seq_len), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 1}
     times: list = []
@@ -53,12 +57,9 @@ def measure(seq_len: int, sp: int, path: str) -> dict:
     mixer.register_forward_pre_hook(lambda *_: times.append(-time.perf_counter()))
     mixer.register_forward_hook(lambda *_: times.append(times.pop() + time.perf_counter()))
     gc.collect()
-    timeline = Timeline()
-    timeline.tracker.track_external(model)
-    with CollectiveTap(fake_group.zero_received), timeline.tracker, torch.no_grad():
-        _Root(model, inputs)()
-    snapshot = next(iter(timeline.tracker.get_tracker_snapshot("peak").values()))
-    peak = int(next(v for k, v in snapshot.items() if str(getattr(k, "value", k)).lower() == "total"))
+    with CollectiveTap(fake_group.zero_received), PeakBytes() as tracked:
+        model.generate(**inputs)
+    peak = tracked.peak
     split = getattr(model.get_submodule(MIXER).forward, "prompts_split", 0)
     return {
         "seq_len": seq_len,
@@ -70,15 +71,29 @@ def measure(seq_len: int, sp: int, path: str) -> dict:
     }
 
 
-class _Root(torch.nn.Module):
-    """MemTracker follows a root module called once; the model runs inside it (a list: not a submodule)."""
+class PeakBytes(TorchDispatchMode):
+    """The peak of the bytes held by the storages the ops run inside it create (each counted from its creation
+    until it is freed): what generate allocates on top of the weights."""
 
-    def __init__(self, model, inputs: dict):
+    def __init__(self):
         super().__init__()
-        self.inner, self.inputs = [model], inputs
+        self.live = self.peak = 0
+        self.seen = WeakIdKeyDictionary()
 
-    def forward(self):
-        return self.inner[0].generate(**self.inputs)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+                storage = t.untyped_storage()
+                if storage not in self.seen and storage.nbytes():
+                    self.seen[storage] = True
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._free, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
 
 
 def main(argv=None) -> None:
