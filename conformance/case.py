@@ -97,7 +97,7 @@ def _float64_errors(model_type: str, class_name: str, variant, batch: dict, layo
     """The same comparison in float64: fp32 rounding shrinks by ~1e9 there, a real error does not."""
     # `.float()` / `.to(torch.float32)` kept float64: models that compute parts in fp32 whatever their dtype (the
     # gated DeltaNet's kernel, its decay) would keep fp32 rounding there, which a sum over tokens magnifies
-    with KeepFloat64():
+    with KeepFloat64(every=True):
         return _float64_run(model_type, class_name, variant, batch, layout)
 
 

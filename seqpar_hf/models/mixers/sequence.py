@@ -334,18 +334,28 @@ class KeepFloat64:
     """`.float()` and `.to(torch.float32)` keep a float64 tensor float64 while it is entered: scan functions
     compute in fp32 whatever their inputs (the gated delta rule, the SSD and selective scans), which would leave
     fp32 rounding in the proof (and in the conformance sweep's float64 re-run); the patched model runs them as
-    they are."""
+    they are. `every`: any tensor's cast to fp32 gives float64 (the sweep's re-run of a whole model, where a
+    rotary's `position_ids.float()` would otherwise meet a float64 frequency table)."""
+
+    def __init__(self, every: bool = False):
+        self.every = every
 
     def __enter__(self):
         self.float, self.to = float_, to = torch.Tensor.float, torch.Tensor.to
+        every = self.every
 
         def keep(t, *a, **k):
-            if t.dtype == torch.float64:
+            if t.dtype == torch.float64 or every:
                 a = tuple(torch.float64 if x is torch.float32 else x for x in a)
                 k = {n: torch.float64 if x is torch.float32 else x for n, x in k.items()}
             return to(t, *a, **k)
 
-        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else float_(t, *a, **k)
+        def as_float(t, *a, **k):
+            if t.dtype == torch.float64:
+                return t
+            return to(t, torch.float64) if every else float_(t, *a, **k)
+
+        torch.Tensor.float = as_float
         torch.Tensor.to = keep
 
     def __exit__(self, *exc):
