@@ -211,6 +211,13 @@ def test_a_scan_unseen_runs_by_heads_and_the_head_split_can_be_asked_for(bad):
     assert [rank_results["scan-not-seen-and-heads"][0] for rank_results in bad] == [None, None]
 
 
+def test_a_scan_unseen_in_generations_prompt_forward_puts_the_cache_back_and_runs_whole(bad):
+    """Qwen3-Next's scan unseen in generation's prompt forward (a fused kernel): the cache layer the split had begun
+    to fill is put back and the prompt runs the mixer whole, with a warning: the unpatched model's tokens and its
+    cache's states (once, not the split's and the whole's both)."""
+    assert [rank_results["scan-not-seen-in-generate"][0] for rank_results in bad] == [None, None]
+
+
 def test_the_same_tokenizer_on_every_rank_passes(bad):
     assert [rank_results["tokenizer-same"][0] for rank_results in bad] == [None, None]
 

@@ -378,6 +378,42 @@ def bad_inputs():
 
     results["scan-not-seen-and-heads"] = attempt(scan_not_seen_and_heads)
 
+    def scan_not_seen_in_generate():  # the fused kernel in generation's prompt forward: the cache layer put back
+        import copy
+        import warnings
+
+        import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+        from conformance.tiny import build_tiny
+        from seqpar_hf.models.mixers import sequence
+
+        plain = build_tiny("qwen3_next", "Qwen3NextForCausalLM")[0].float().eval()
+        ids = torch.randint(3, 64, (2, 13), generator=torch.Generator().manual_seed(0))
+        kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        want = plain.generate(input_ids=ids, **kwargs)
+        model = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
+        original = qwen3_next.torch_chunk_gated_delta_rule
+        fused = original.forward  # the same computation, called where the split does not see it
+        qwen3_next.torch_chunk_gated_delta_rule = lambda *a, **k: fused(*a, **k)
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = model.generate(input_ids=ids, **kwargs)
+        finally:
+            qwen3_next.torch_chunk_gated_delta_rule = original
+        assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+        mixers = [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), sequence.SequenceMixer)]
+        assert mixers and not any(m.prefill or m.prompts_split for m in mixers)  # prompts now run the mixer whole
+        for i in range(len(want.cache.layers)):  # the states: the whole prompt's, once (the split's put back)
+            theirs = sequence.cache_states(want.cache, i)
+            if not isinstance(theirs, str):
+                mine = sequence.cache_states(got.cache, i)
+                assert not isinstance(mine, str) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(mine, theirs))
+        said = [str(w.message) for w in seen]
+        assert any("in generation's prompt forward" in m and "its scan ran 0 times" in m for m in said), said
+
+    results["scan-not-seen-in-generate"] = attempt(scan_not_seen_in_generate)
+
     def custom_attention():
         from transformers import AttentionInterface
 
