@@ -44,3 +44,15 @@ def test_documents_match_the_document_mode():
     assert db.join_per_document([refs[0] for refs in sentences["fr_refs"]], 3) == [r[0] for r in references]
     assert db.sentence_positions(7, 3) == [1, 2, 3, 1, 2, 3, 1]
     assert db.position_ranges(32, 4) == [(1, 8), (9, 16), (17, 24), (25, 32)]
+
+
+def test_a_generated_document_is_cut_at_its_markers():
+    """recipes/document_positions.py: the tokens after marker k (up to the next marker) are sentence k's; a marker
+    the model never wrote leaves its sentence empty and is counted; tokens before the first marker belong to none."""
+    from recipes import document_positions as dp
+
+    markers = [101, 102, 103]
+    pieces, missing = dp.split_at_markers([0, 7, 101, 5, 6, 103, 8, 2], markers, 3)
+    assert pieces == [[5, 6], [], [8, 2]] and missing == 1
+    pieces, missing = dp.split_at_markers([101, 4, 102, 9], markers, 2)  # a document of 2: marker 3 unused
+    assert pieces == [[4], [9]] and missing == 0
