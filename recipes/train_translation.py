@@ -3,7 +3,7 @@
 Launch (from the repository root):
 
     # 1 process, the defaults (packed rows, bf16 where the CPU has it, the learning rate decayed over a
-    # 22-minute budget): 23.0 minutes on a 2-core CPU with AVX512-BF16, test BLEU 49.64 (beam 4)
+    # 22-minute budget): 19.9 minutes on a 2-core CPU with AVX512-BF16, test BLEU 52.80 (beam 4)
     accelerate launch recipes/train_translation.py --output_dir runs/default
 
     # 2 CPU processes, one SP group of 2 (each rank holds half of every sequence): 23.3 minutes, test BLEU 48.80
@@ -11,8 +11,8 @@ Launch (from the repository root):
         --output_dir runs/sp2
 
     # document-level translation: 32 consecutive pairs joined into one long document (attention across
-    # them, numbered sentence markers), after a sentence-level warm start; test document BLEU 31.52 in
-    # 45.9 minutes from a fresh clone (34.82 in 44.6 minutes on a faster hour)
+    # them, numbered sentence markers), after a sentence-level warm start; test document BLEU 50.84 in
+    # 44.2 minutes from a fresh clone (the sentence model's translations joined per document: 56.17)
     accelerate launch --config_file recipes/accelerate_cpu_2proc.yaml recipes/train_translation.py \
         --sp_size 2 --document_sentences 32 --max_train_minutes 41 --sentence_warmup_minutes 8 \
         --mixed_documents false --output_dir runs/documents
@@ -150,7 +150,8 @@ class DataArguments:
             "both sides (the warm-start sentences start with a random one), so the decoder writing sentence k "
             "finds source sentence k by an exact token match instead of counting boundaries over hundreds of "
             "tokens; generation writes the markers in order, one per source sentence. Dropped from the output "
-            "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without (recipes/README.md)."
+            "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without, under the defaults before 2026-12-04 "
+            "(50.84 with them under the present ones; recipes/README.md)."
         },
     )
     sentence_separator: bool = field(

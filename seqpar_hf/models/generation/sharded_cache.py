@@ -290,7 +290,7 @@ class SequenceShardedCache(Cache):
 
     def fresh(self, layer_idx: int) -> bool:
         """Layer `layer_idx` holds no mixer state yet (the prompt's forward has not reached it)."""
-        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        layer = self.layers[layer_idx] if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers) else None
         held = getattr(layer, "has_previous_state", None)
         return isinstance(held, (dict, list)) and not any(held.values() if isinstance(held, dict) else held)
 

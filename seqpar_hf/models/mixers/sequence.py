@@ -116,10 +116,9 @@ class SequenceMixer(GatheredMixer):
             return self.step(ctx, args, {k: v for k, v in kwargs.items() if k != CONTEXT_KWARG})
         cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
         if self.state.decoding is not None or cache is not None:
-            index = getattr(self.module, "layer_idx", -1)
-            if isinstance(cache, SequenceShardedCache) and cache.prefilling and cache.fresh(index):
-                if self.prefill and not self.whole:
-                    return self._prompt(ctx, cache, args, kwargs)
+            prompt = self.prefill and not self.whole and isinstance(cache, SequenceShardedCache)
+            if prompt and cache.prefilling and cache.fresh(self.module.layer_idx):  # an int: `prove_prefill`
+                return self._prompt(ctx, cache, args, kwargs)
             return super().__call__(*args, **kwargs)  # the cache takes the whole sequence's last inputs and state
         if self.whole:
             return self._whole("", args, kwargs)
