@@ -4,7 +4,9 @@ per-forward check costs in collectives and bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -14,6 +16,23 @@ import seqpar_hf
 
 from ..helpers.collectives import counting
 from ..helpers.models import VOCAB, build_model, make_batch
+
+
+@contextlib.contextmanager
+def fused_scan():
+    """Qwen3-Next's scan called where the split does not see it (the same computation under another name, as a
+    fused kernel would be); yields the warnings raised meanwhile."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    original = qwen3_next.torch_chunk_gated_delta_rule
+    fused = original.forward
+    qwen3_next.torch_chunk_gated_delta_rule = lambda *a, **k: fused(*a, **k)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            yield seen
+    finally:
+        qwen3_next.torch_chunk_gated_delta_rule = original
 
 
 def attempt(fn):
@@ -339,9 +358,6 @@ def bad_inputs():
 
     def scan_not_seen_and_heads():  # a fused kernel computing the scan unseen; then the split by heads, in gloo
         import copy
-        import warnings
-
-        import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
         from conformance.tiny import build_tiny
         from seqpar_hf.models.mixers import halo, scan
@@ -351,15 +367,8 @@ def bad_inputs():
         want = plain(input_ids=ids, labels=ids).loss
         model = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
         assert set(seqpar_hf.models.patch.state_of(model).mixers.values()) == {"sequence"}
-        original = qwen3_next.torch_chunk_gated_delta_rule
-        fused = original.forward  # the same computation, called where the split does not see it
-        qwen3_next.torch_chunk_gated_delta_rule = lambda *a, **k: fused(*a, **k)
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                got = model(input_ids=ids, labels=ids).loss
-        finally:
-            qwen3_next.torch_chunk_gated_delta_rule = original
+        with fused_scan() as seen:
+            got = model(input_ids=ids, labels=ids).loss
         assert abs(float(got) - float(want)) < 1e-6, (float(got), float(want))
         said = [str(w.message) for w in seen]  # the head split, proven too, takes over from the fused kernel
         assert any("its scan ran 0 times" in m and "runs split by heads instead" in m for m in said), said
@@ -380,9 +389,6 @@ def bad_inputs():
 
     def scan_not_seen_in_generate():  # the fused kernel in generation's prompt forward: the cache layer put back
         import copy
-        import warnings
-
-        import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
         from conformance.tiny import build_tiny
         from seqpar_hf.models.mixers import sequence
@@ -392,15 +398,8 @@ def bad_inputs():
         kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
         want = plain.generate(input_ids=ids, **kwargs)
         model = seqpar_hf.patch_model(copy.deepcopy(plain), layout)
-        original = qwen3_next.torch_chunk_gated_delta_rule
-        fused = original.forward  # the same computation, called where the split does not see it
-        qwen3_next.torch_chunk_gated_delta_rule = lambda *a, **k: fused(*a, **k)
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                got = model.generate(input_ids=ids, **kwargs)
-        finally:
-            qwen3_next.torch_chunk_gated_delta_rule = original
+        with fused_scan() as seen:
+            got = model.generate(input_ids=ids, **kwargs)
         assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
         mixers = [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), sequence.SequenceMixer)]
         assert mixers and not any(m.prefill or m.prompts_split for m in mixers)  # prompts now run the mixer whole
