@@ -72,6 +72,29 @@ def recipe_data(data_args: DataArguments):
     )
 
 
+def test_data(data_cache_dir: str, n: int) -> SimpleNamespace:
+    """The recipe's data for sentences (what a sentence model is tested on) and for documents of `n` (the document
+    mode's test documents; --mixed_documents false as the README's document command: only training changes),
+    checked to be the same: the sentence test joined per document gives the document test's texts and references.
+    Fields: sentence_args, document_args, sentence_tokenizer, document_tokenizer, test, document_test, references."""
+    sentence_args = DataArguments(data_cache_dir=data_cache_dir)
+    document_args = DataArguments(data_cache_dir=data_cache_dir, document_sentences=n, mixed_documents=False)
+    sentence_tokenizer, sentences = recipe_data(sentence_args)
+    document_tokenizer, documents = recipe_data(document_args)
+    test, document_test = sentences["test"], documents["test"]
+    same_texts = join_per_document(test["en"], n) == document_test["en"]
+    references = document_references(test["fr_refs"], n)
+    if not same_texts or references != document_test["fr_refs"]:
+        raise SystemExit(
+            f"the sentence test ({len(test)} sentences) joined per {n} is not the document test "
+            f"({len(document_test)} documents): {'references' if same_texts else 'English texts'} differ"
+        )
+    return SimpleNamespace(
+        sentence_args=sentence_args, document_args=document_args, sentence_tokenizer=sentence_tokenizer,
+        document_tokenizer=document_tokenizer, test=test, document_test=document_test, references=references,
+    )  # fmt: skip
+
+
 def join_per_document(texts: Sequence[str], n: int) -> list[str]:
     """Sentence texts in test order -> one text per document, joined as `join_documents` joins the documents'
     texts and references (every n consecutive sentences, a space between them)."""
@@ -96,11 +119,12 @@ def position_ranges(n: int, groups: int) -> list[tuple[int, int]]:
 
 
 def translate(
-    model, tokenizer, test, data_args, num_beams: int, batch_size: int, bf16: bool
-) -> tuple[list[str], float]:
+    model, tokenizer, test, data_args, num_beams: int, batch_size: int, bf16: bool, decode: bool = True
+) -> tuple[list, float]:
     """French text of each test row, decoded as the recipe's test decodes sentences (`trainer.predict`: batches
-    in test order padded by the same collator, `generation_kwargs_fn`'s per-sentence length bound, the
-    recipe's max length and no-repeat n-grams, bf16 autocast where the recipe trains in bf16)."""
+    in test order padded by the same collator, `generation_kwargs_fn`'s per-sentence length bound (and with
+    documents the markers' order), the recipe's max length and no-repeat n-grams, bf16 autocast where the recipe
+    trains in bf16); `decode=False`: the generated ids (document_positions.py cuts them at the markers)."""
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
     per_batch = generation_kwargs_fn(data_args, tokenizer)
     max_length = data_args.max_target_length or 80 * data_args.document_sentences
@@ -116,8 +140,8 @@ def translate(
                 no_repeat_ngram_size=data_args.no_repeat_ngram_size or None,
                 **per_batch(inputs),
             )
-        hypotheses += translation_data.decode_french(tokenizer, ids.tolist())
-        print(f"\r  translated {len(hypotheses)} / {len(test)} sentences", end="", file=sys.stderr, flush=True)
+        hypotheses += translation_data.decode_french(tokenizer, ids.tolist()) if decode else ids.tolist()
+        print(f"\r  translated {len(hypotheses)} / {len(test)} rows", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return hypotheses, time.perf_counter() - start
 
@@ -175,25 +199,11 @@ def main(argv=None) -> dict:
     threads = use_the_cores(args.num_threads)
     precision = choose_precision(args.precision, SimpleNamespace(use_cpu=True, bf16=False, mixed_precision="no"))
 
-    # The recipe's data for sentences (what a sentence model is tested on) and for documents (the document
-    # mode's test documents; --mixed_documents false as the README's document command: only training changes).
-    sentence_args = DataArguments(data_cache_dir=args.data_cache_dir)
-    document_args = DataArguments(data_cache_dir=args.data_cache_dir, document_sentences=n, mixed_documents=False)
-    data_tokenizer, sentences = recipe_data(sentence_args)
-    _, documents = recipe_data(document_args)
-    test, document_test = sentences["test"], documents["test"]
-
-    # The same documents: the sentence test joined per document gives the document test's texts and references.
-    same_texts = join_per_document(test["en"], n) == document_test["en"]
-    references = document_references(test["fr_refs"], n)
-    if not same_texts or references != document_test["fr_refs"]:
-        raise SystemExit(
-            f"the sentence test ({len(test)} sentences) joined per {n} is not the document test "
-            f"({len(document_test)} documents): {'references' if same_texts else 'English texts'} differ"
-        )
+    data = test_data(args.data_cache_dir, n)
+    sentence_args, test, document_test, references = data.sentence_args, data.test, data.document_test, data.references
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if translation_data.tokenizer_digest(tokenizer) != translation_data.tokenizer_digest(data_tokenizer):
+    if translation_data.tokenizer_digest(tokenizer) != translation_data.tokenizer_digest(data.sentence_tokenizer):
         raise SystemExit(f"{args.model}: not the tokenizer of the recipe's sentence data ({args.data_cache_dir})")
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=torch.float32).eval()
     print(

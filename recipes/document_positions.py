@@ -20,41 +20,24 @@ import datetime
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the BLEU metric is local; nothing to download
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 if __package__:  # imported as recipes.document_positions (tests)
+    from . import document_baseline as db
     from . import translation_data
-    from .document_baseline import (
-        cpu_name,
-        document_references,
-        join_per_document,
-        position_ranges,
-        recipe_data,
-        sentence_positions,
-        translate,
-    )
     from .train_translation import DEFAULT_BATCH, DataArguments
-    from .translation_training import bleu_metric, choose_precision, generation_kwargs_fn, use_the_cores
+    from .translation_training import bleu_metric, choose_precision, use_the_cores
 else:  # launched as a script: its folder is on sys.path
+    import document_baseline as db
     import translation_data
-    from document_baseline import (
-        cpu_name,
-        document_references,
-        join_per_document,
-        position_ranges,
-        recipe_data,
-        sentence_positions,
-        translate,
-    )
     from train_translation import DEFAULT_BATCH, DataArguments
-    from translation_training import bleu_metric, choose_precision, generation_kwargs_fn, use_the_cores
+    from translation_training import bleu_metric, choose_precision, use_the_cores
 
 
 def split_at_markers(ids: list[int], markers: list[int], size: int) -> tuple[list[list[int]], int]:
@@ -70,23 +53,6 @@ def split_at_markers(ids: list[int], markers: list[int], size: int) -> tuple[lis
         elif current is not None:
             pieces[current].append(token)
     return pieces, size - len(seen)
-
-
-def translate_documents(model, tokenizer, test, data_args, num_beams: int, batch_size: int, bf16: bool):
-    """Generated ids of each test document, as the recipe's document test generates them; and the seconds."""
-    collator = DataCollatorForSeq2Seq(tokenizer, model=model)
-    per_batch = generation_kwargs_fn(data_args, tokenizer)
-    max_length = data_args.max_target_length or 80 * data_args.document_sentences
-    out, start = [], time.perf_counter()
-    for i in range(0, len(test), batch_size):
-        rows = test.select(range(i, min(i + batch_size, len(test))))
-        inputs = collator([{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in rows])
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            ids = model.generate(**inputs, num_beams=num_beams, max_length=max_length, **per_batch(inputs))
-        out += ids.tolist()
-        print(f"\r  translated {len(out)} / {len(test)} documents", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return out, time.perf_counter() - start
 
 
 def words(texts) -> int:
@@ -120,24 +86,27 @@ def main(argv=None) -> dict:
     n = args.document_sentences
     threads = use_the_cores(args.num_threads)
     precision = choose_precision(args.precision, SimpleNamespace(use_cpu=True, bf16=False, mixed_precision="no"))
-    sentence_args = DataArguments(data_cache_dir=args.data_cache_dir)
-    document_args = DataArguments(
-        data_cache_dir=args.data_cache_dir, document_sentences=n, mixed_documents=False, no_repeat_ngram_size=0
+    data = db.test_data(args.data_cache_dir, n)
+    sentence_args, document_args, test, document_test = (
+        data.sentence_args,
+        data.document_args,
+        data.test,
+        data.document_test,
     )
-    sentence_tokenizer, sentences = recipe_data(sentence_args)
-    document_tokenizer, documents = recipe_data(document_args)
-    test, document_test = sentences["test"], documents["test"]
-    references = document_references(test["fr_refs"], n)
-    if join_per_document(test["en"], n) != document_test["en"] or references != document_test["fr_refs"]:
-        raise SystemExit(f"the sentence test joined per {n} is not the document test")
+    sentence_tokenizer, document_tokenizer, references = (
+        data.sentence_tokenizer,
+        data.document_tokenizer,
+        data.references,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if translation_data.tokenizer_digest(tokenizer) != translation_data.tokenizer_digest(document_tokenizer):
         raise SystemExit(f"{args.model}: not the tokenizer of the recipe's documents of {n} ({args.data_cache_dir})")
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=torch.float32).eval()
     print(f"translating {len(document_test)} test documents with {args.model}: beam {args.num_beams}, {precision}")
-    ids, seconds = translate_documents(
-        model, tokenizer, document_test, document_args, args.num_beams, args.batch_size, precision == "bf16"
+    document_args.no_repeat_ngram_size = 0  # as the recipe's documents: a document repeats 3-grams
+    ids, seconds = db.translate(
+        model, tokenizer, document_test, document_args, args.num_beams, args.batch_size, precision == "bf16", False
     )
     markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, n + 1)]
     sizes = translation_data.document_sizes(len(test), n)
@@ -158,14 +127,14 @@ def main(argv=None) -> dict:
         if translation_data.tokenizer_digest(base_tokenizer) != translation_data.tokenizer_digest(sentence_tokenizer):
             raise SystemExit(f"{args.baseline}: not the tokenizer of the recipe's sentence data")
         print(f"translating {len(test)} test sentences alone with {args.baseline}")
-        baseline, _ = translate(
+        baseline, _ = db.translate(
             base_model, base_tokenizer, test, sentence_args, args.num_beams,
             DEFAULT_BATCH["per_device_eval_batch_size"], precision == "bf16",
         )  # fmt: skip
 
-    positions = sentence_positions(len(test), n)
+    positions = db.sentence_positions(len(test), n)
     rows = []
-    for first, last in position_ranges(n, args.position_groups):
+    for first, last in db.position_ranges(n, args.position_groups):
         at = [i for i, k in enumerate(positions) if first <= k <= last]
         refs = [test["fr_refs"][i] for i in at]
         row = {
@@ -182,7 +151,7 @@ def main(argv=None) -> dict:
     result = {
         "command": ["python", *sys.argv] if argv is None else ["recipes/document_positions.py", *argv],
         "date": datetime.date.today().isoformat(),
-        "machine": f"{cpu_name()}, {threads}",
+        "machine": f"{db.cpu_name()}, {threads}",
         "model": os.path.abspath(args.model),
         "baseline": os.path.abspath(args.baseline) if args.baseline else None,
         "precision": precision,
@@ -195,7 +164,7 @@ def main(argv=None) -> dict:
     }
     if baseline is not None:
         result["sentence_model_document_bleu"] = metric.compute(
-            predictions=join_per_document(baseline, n), references=references
+            predictions=db.join_per_document(baseline, n), references=references
         )["score"]
         result["sentence_model_sentence_bleu"] = metric.compute(predictions=baseline, references=test["fr_refs"])[
             "score"

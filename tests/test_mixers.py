@@ -278,3 +278,16 @@ def test_the_prompt_forward_splits_leaving_the_unpatched_cache_states(model_type
         m.setattr(scan.StatePassing, "_final", lambda self, kind, call: self.last[1] if self.last[1] is not None
                   else torch.zeros(self._final_shape(kind, call), dtype=self.last[0]))  # fmt: skip
         assert "whole prompt's states" in sequence.prove_prefill(module, module.forward, conv, scans, 2, make)
+
+
+def test_keep_float64_keeps_float64_and_with_every_casts_everything_to_it():
+    """The proof's `KeepFloat64` keeps float64 tensors float64 through `.float()` / `.to(float32)`, and leaves
+    others alone; the sweep's float64 re-run (`every`) casts any tensor's `.float()` to float64 (transformers 5.17's
+    M-RoPE multiplies `position_ids.float()` by a float64 frequency table); both put the methods back."""
+    ints, half = torch.arange(3), torch.ones(2, dtype=torch.float64)
+    with sequence.KeepFloat64():
+        assert half.float().dtype == half.to(torch.float32).dtype == torch.float64
+        assert ints.float().dtype == ints.to(torch.float32).dtype == torch.float32
+    with sequence.KeepFloat64(every=True):
+        assert ints.float().dtype == ints.to(torch.float32).dtype == torch.float64
+    assert ints.float().dtype == half.float().dtype == torch.float32
