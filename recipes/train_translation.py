@@ -162,6 +162,15 @@ class DataArguments:
             "measured (recipes/README.md)."
         },
     )
+    document_positions: bool = field(
+        default=True,
+        metadata={
+            "help": "With --document_sentences N and the sentence markers: in the sentence-level warm start, each "
+            "pair's positions start where its sentence (its marker's number k) would start in a document, after "
+            "k - 1 sentences of the training pairs' lengths, so the documents do not meet positions the model "
+            "never saw (false: every pair from position 0)."
+        },
+    )
     sentence_warmup_minutes: float = field(
         default=-1.0,
         metadata={
@@ -531,7 +540,12 @@ def main(argv=None):
 
     if warm > 0:
         trainer.train_steps_before = sentence_warm_start(
-            model, tokenizer, splits["train_sentences"], training_args, warm
+            model,
+            tokenizer,
+            splits["train_sentences"],
+            training_args,
+            warm,
+            markers=data_args.document_sentences if data_args.sentence_markers and data_args.document_positions else 0,
         )
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)

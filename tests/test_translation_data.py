@@ -257,6 +257,36 @@ def test_sentence_markers(small_tokenizer, sample):
         assert sum(i in markers for i in row["input_ids"] + row["labels"]) == 2
 
 
+def test_warm_start_pairs_take_their_document_positions():
+    """--document_positions: a warm-start pair starting with marker k gets the positions sentence k has in a
+    document (after k - 1 sentences of the training pairs' lengths), both sides, its tokens still consecutive;
+    a pair without a marker keeps 0, 1, ...; every rank collating the same batch draws the same shifts."""
+    import torch
+
+    from recipes.translation_training import DocumentPositions
+    from seqpar_hf.training.packing import Seq2SeqPackingCollator
+
+    m1, m2, m3 = 50, 51, 52
+    # every training sentence 5 source and 6 target tokens inside a document (6 and 7 with its </s>)
+    sentences = {"input_ids": [[9] * 6] * 4, "labels": [[9] * 7] * 4}
+    collate = DocumentPositions(Seq2SeqPackingCollator(128, 0, 2), [m1, m2, m3], sentences)
+    features = [
+        {"input_ids": [m1, 5, 6, 1], "labels": [m1, 7, 1]},
+        {"input_ids": [m3, 5, 1], "labels": [m3, 7, 8, 1]},
+        {"input_ids": [5, 6, 1], "labels": [7, 1]},
+    ]
+    batch = collate(features)
+    assert batch["input_ids"].shape[0] == 1  # one packed row: sources 4 + 3 + 3, targets 3 + 4 + 2
+    assert batch["position_ids"][0, :10].tolist() == [0, 1, 2, 3, 10, 11, 12, 0, 1, 2]
+    assert batch["decoder_position_ids"][0, :9].tolist() == [0, 1, 2, 12, 13, 14, 15, 0, 1]
+    sentences = {"input_ids": [[9] * 4, [9] * 8], "labels": [[9] * 5, [9] * 9]}  # lengths vary: a random shift
+    collate = DocumentPositions(Seq2SeqPackingCollator(128, 0, 2), [m1, m2, m3], sentences)
+    first, again = collate(features), collate(features)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    ds = int(first["position_ids"][0, 4])
+    assert first["position_ids"][0, 4:7].tolist() == [ds, ds + 1, ds + 2] and first["position_ids"][0, 0] == 0
+
+
 def test_marker_order_in_generation():
     """--sentence_markers at generation: markers only in order, one per source sentence, no end before the
     last; a source without markers leaves the scores alone."""
