@@ -295,7 +295,7 @@ class DocumentPositions:
         rng = np.random.default_rng([self.seed, int(batch["input_ids"].sum()), int(batch["labels"].clamp(min=0).sum())])
         for r in range(batch["input_ids"].shape[0]):
             src = ((batch["position_ids"][r] == 0) & (batch["attention_mask"][r] == 1)).nonzero().flatten().tolist()
-            tgt = ((batch["decoder_position_ids"][r] == 0) & (batch["decoder_attention_mask"][r] == 1))
+            tgt = (batch["decoder_position_ids"][r] == 0) & (batch["decoder_attention_mask"][r] == 1)
             tgt = tgt.nonzero().flatten().tolist()
             for i, (s, t) in enumerate(zip(src, tgt)):  # the i-th source and target of a row are one pair
                 k = self.marker.get(int(batch["input_ids"][r, s]))
