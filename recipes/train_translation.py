@@ -165,10 +165,10 @@ class DataArguments:
     document_positions: bool = field(
         default=True,
         metadata={
-            "help": "With --document_sentences N and the sentence markers: in the sentence-level warm start, each "
-            "pair's positions start where its sentence (its marker's number k) would start in a document, after "
-            "k - 1 sentences of the training pairs' lengths, so the documents do not meet positions the model "
-            "never saw (false: every pair from position 0)."
+            "help": "With --document_sentences N and the sentence markers: in the sentence-level warm start, the "
+            "positions of each step's sentences are shifted to where a sentence of a document starts (after 0 to "
+            "N - 1 sentences of the training pairs' mean length), so the documents do not meet positions the "
+            "model never saw (false: every sentence from position 0)."
         },
     )
     sentence_warmup_minutes: float = field(
