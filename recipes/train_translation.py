@@ -162,15 +162,6 @@ class DataArguments:
             "measured (recipes/README.md)."
         },
     )
-    document_positions: bool = field(
-        default=True,
-        metadata={
-            "help": "With --document_sentences N and the sentence markers: in the sentence-level warm start, the "
-            "positions of each step's sentences are shifted to where a sentence of a document starts (after 0 to "
-            "N - 1 sentences of the training pairs' mean length), so the documents do not meet positions the "
-            "model never saw (false: every sentence from position 0)."
-        },
-    )
     sentence_warmup_minutes: float = field(
         default=-1.0,
         metadata={
@@ -540,12 +531,7 @@ def main(argv=None):
 
     if warm > 0:
         trainer.train_steps_before = sentence_warm_start(
-            model,
-            tokenizer,
-            splits["train_sentences"],
-            training_args,
-            warm,
-            markers=data_args.document_sentences if data_args.sentence_markers and data_args.document_positions else 0,
+            model, tokenizer, splits["train_sentences"], training_args, warm
         )
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)

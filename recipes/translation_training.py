@@ -269,48 +269,7 @@ def make_compute_metrics(tokenizer, references: list[list[str]], metric):
     return compute_metrics
 
 
-class DocumentPositions:
-    """Shifts the positions of the warm start's sentences to where sentences sit in a document: one shift per
-    training forward, uniform over the starts of a document's sentences (k - 1 sentences of the training pairs'
-    mean length in, k = 1..N), the target's by the target's mean. Without it the sentence-trained model meets
-    document positions (hundreds) for the first time in the documents, and its loss restarts near where it
-    began (5.6 against 2.2 at the end of 26 minutes on sentences). Done inside the position embeddings, after
-    seqpar_hf's hook gives them each shard's positions: packed rows keep restarting at 0, as the library checks.
-    The shift is drawn from the seed and the forward's count, so every rank of an SP group draws the same."""
-
-    def __init__(self, model, sentences, markers: int, seed: int = 0):
-        # a sentence inside a document: its tokens without the </s> that ends each warm-start pair
-        self.mean = tuple(float(np.mean([len(x) - 1 for x in sentences[key]])) for key in ("input_ids", "labels"))
-        self.markers, self.seed, self.calls, self.shift = markers, seed, 0, (0, 0)
-        inner = model.get_encoder(), model.get_decoder()
-        self.handles = [model.register_forward_pre_hook(self._draw)] + [
-            stack.embed_positions.register_forward_pre_hook(self._hook(side), with_kwargs=True)
-            for side, stack in enumerate(inner)
-        ]
-
-    def _draw(self, module, args):
-        if module.training:
-            k = np.random.default_rng([self.seed, self.calls]).integers(self.markers)  # sentences before this one
-            self.shift, self.calls = tuple(round(k * m) for m in self.mean), self.calls + 1
-
-    def _hook(self, side: int):
-        def shift(module, args, kwargs):
-            if not module.training or not self.shift[side]:
-                return None
-            shape, cache = args[0], (args[1] if len(args) > 1 else kwargs.get("cache_length", 0))
-            given = kwargs.get("position_ids")
-            if given is None:  # the module's own positions (an unpatched model)
-                given = torch.arange(cache, cache + shape[1], device=module.weight.device)
-            return args[:1], {**kwargs, "cache_length": 0, "position_ids": given + self.shift[side]}
-
-        return shift
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def sentence_warm_start(model, tokenizer, sentences, training_args, minutes: float, markers: int = 0) -> int:
+def sentence_warm_start(model, tokenizer, sentences, training_args, minutes: float) -> int:
     """Train `model` on `sentences` (the training pairs one per row, translation_data's "train_sentences")
     in packed rows of 128 tokens, 96 pairs per step, the learning rate warmed up then constant, for
     `minutes`, before the documents: the model learns to align sentences, which long documents alone
@@ -322,10 +281,11 @@ def sentence_warm_start(model, tokenizer, sentences, training_args, minutes: flo
     args = copy.copy(training_args)
     args.per_device_train_batch_size, args.train_sampling_strategy = 96, "random"
     args.eval_strategy, args.lr_scheduler_type, args.warmup_steps = "no", "constant_with_warmup", 300
-    packing = Seq2SeqPackingCollator(
-        128, tokenizer.pad_token_id, model.config.decoder_start_token_id, pad_to_multiple_of=training_args.sp_size
+    collator = TokenCounter(
+        Seq2SeqPackingCollator(
+            128, tokenizer.pad_token_id, model.config.decoder_start_token_id, pad_to_multiple_of=training_args.sp_size
+        )
     )
-    collator = TokenCounter(packing)
     trainer = seqpar_hf.SequenceParallelTrainer(
         model=model,
         args=args,
@@ -335,8 +295,5 @@ def sentence_warm_start(model, tokenizer, sentences, training_args, minutes: flo
         callbacks=[seqpar_hf.TimeBudgetCallback(minutes), RealTokens(collator)],
     )
     logger.info("sentence-level warm start: %.1f minutes on %d sentence pairs, then documents", minutes, len(sentences))
-    shifted = DocumentPositions(model, sentences, markers, seed=training_args.seed) if markers else None
     trainer.train()
-    if shifted is not None:
-        shifted.remove()
     return trainer.state.global_step

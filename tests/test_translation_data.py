@@ -257,48 +257,6 @@ def test_sentence_markers(small_tokenizer, sample):
         assert sum(i in markers for i in row["input_ids"] + row["labels"]) == 2
 
 
-def test_warm_start_positions_shifted_as_in_a_document():
-    """--document_positions: in training forwards the position embeddings see every position shifted by k
-    sentences of the mean length (k drawn per forward from the seed and the count: every rank draws the same),
-    the target's by the target's mean; evaluation and the model after `remove` see their own positions."""
-    import torch
-    from transformers import MarianConfig, MarianMTModel
-
-    from recipes.translation_training import DocumentPositions
-
-    def model():
-        torch.manual_seed(0)
-        config = MarianConfig(
-            vocab_size=20, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=8, decoder_ffn_dim=8, max_position_embeddings=64,
-            pad_token_id=0, decoder_start_token_id=0,
-        )  # fmt: skip
-        return MarianMTModel(config).train()
-
-    sentences = {"input_ids": [[9] * 6] * 3, "labels": [[9] * 7] * 3}  # 5 and 6 tokens inside a document
-    first, second = model(), model()
-    shifts = []
-    for m in (first, second):
-        shifted = DocumentPositions(m, sentences, markers=4, seed=0)
-        drawn = []
-        for _ in range(6):
-            m(input_ids=torch.tensor([[3, 4, 1]]), labels=torch.tensor([[5, 1]]))
-            drawn.append(shifted.shift)
-        shifts.append((drawn, shifted))
-    assert shifts[0][0] == shifts[1][0] and len(set(shifts[0][0])) > 1
-    assert all(shift in {(5 * k, 6 * k) for k in range(4)} for shift in shifts[0][0])
-    shifted = shifts[0][1]
-    shifted.shift = (10, 12)
-    encoder, decoder = first.model.encoder.embed_positions, first.model.decoder.embed_positions
-    assert torch.equal(encoder((1, 5)), encoder.weight[10:15])
-    assert torch.equal(decoder((1, 3), 0, position_ids=torch.arange(3)[None]), decoder.weight[12:15][None])
-    first.eval()
-    assert torch.equal(encoder((1, 5)), encoder.weight[:5])
-    first.train()
-    shifted.remove()
-    assert torch.equal(encoder((1, 5)), encoder.weight[:5])
-
-
 def test_marker_order_in_generation():
     """--sentence_markers at generation: markers only in order, one per source sentence, no end before the
     last; a source without markers leaves the scores alone."""
