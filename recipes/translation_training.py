@@ -129,14 +129,15 @@ def _t5(model_args, tokenizer) -> T5ForConditionalGeneration:
 
 
 class BudgetTrainer(seqpar_hf.SequenceParallelTrainer):
-    """With `budget` set: the learning rate decays over the time budget (`TimeBudgetCallback.schedule`)."""
+    """With `budget` set: the learning rate decays over the time budget, or over the steps of the epochs
+    where those end first (`TimeBudgetCallback.schedule`)."""
 
     budget = None
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.budget is not None and self.lr_scheduler is None:
             self.lr_scheduler = self.budget.schedule(
-                optimizer or self.optimizer, self.args.get_warmup_steps(num_training_steps)
+                optimizer or self.optimizer, self.args.get_warmup_steps(num_training_steps), num_training_steps
             )
         return super().create_scheduler(num_training_steps, optimizer)
 

@@ -62,3 +62,19 @@ def test_evaluation_by_time_and_a_schedule_that_ends_with_the_budget():
     assert control.should_training_stop
     assert lrs[0] == 0.25  # warmup: step 1 of 4
     assert abs(lrs[4] - 0.5) < 0.02 and lrs[-1] == 0.0  # half the budget: half the peak; the end: zero
+
+
+def test_the_schedule_ends_at_the_step_count_when_that_comes_before_the_budget():
+    """A fast machine runs out of epochs before its time budget: the rate is 0 at the last step, not part-way."""
+    callback = seqpar_hf.TimeBudgetCallback(minutes=10)
+    args, state = SimpleNamespace(device="cpu", eval_strategy="no"), TrainerState()
+    callback.on_train_begin(args, state, TrainerControl())
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = callback.schedule(optimizer, warmup_steps=0, total_steps=8)
+    lrs = []
+    for step in range(8):
+        callback.start = time.time() - 60 * (step + 1) * 0.5  # half a minute a step: 4 of the 10 minutes
+        callback.on_step_end(args, state, TrainerControl())
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[3] == 0.5 and lrs[-1] == 0.0  # by steps (time alone would give 0.8 and 0.6)

@@ -55,14 +55,17 @@ class TimeBudgetCallback(TrainerCallback):
             control.should_training_stop = True
             control.should_evaluate = evaluating  # a last evaluation, where there is one
 
-    def schedule(self, optimizer, warmup_steps: int = 0) -> LambdaLR:
-        """Linear warmup over `warmup_steps`, then linear decay to 0 at the end of the time budget."""
+    def schedule(self, optimizer, warmup_steps: int = 0, total_steps: int = 0) -> LambdaLR:
+        """Linear warmup over `warmup_steps`, then linear decay to 0 at the end of the time budget, or at
+        `total_steps` (> 0: the Trainer's step count, from its epochs or max_steps) if that comes first: a
+        fast machine that runs out of epochs before the budget still ends annealed."""
         if self.seconds <= 0:
             raise ValueError("a schedule over the time budget needs a budget (minutes > 0)")
 
         def factor(step: int) -> float:
             warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-            return warm * max(0.0, 1.0 - self.fraction)
+            spent = max(self.fraction, step / total_steps if total_steps > 0 else 0.0)
+            return warm * max(0.0, 1.0 - spent)
 
         return LambdaLR(optimizer, factor)
 
