@@ -30,6 +30,8 @@ def label(summary: dict, run_dir: Path) -> str:
         )
     else:
         parts.append("sentences")
+    if "precision" in summary:  # what the machine computed in (bf16 where the CPU has AVX512-BF16 or AMX)
+        parts.append(summary["precision"])
     return f"{run_dir.name}: " + ", ".join(parts)
 
 

@@ -55,8 +55,8 @@ TRANSLATION = {  # flags: the start of the message
         "--sentence_warmup_minutes -2.0: must be >= 0 (minutes on single sentences",
     ),
     "sentence_warmup >= budget": (
-        ["--document_sentences", "4", "--sentence_warmup_minutes", "22"],
-        "--sentence_warmup_minutes 22.0: must be shorter than --max_train_minutes 22.0",
+        ["--document_sentences", "4", "--sentence_warmup_minutes", "26"],
+        "--sentence_warmup_minutes 26.0: must be shorter than --max_train_minutes 26.0",
     ),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
