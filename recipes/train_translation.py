@@ -56,6 +56,7 @@ if __package__:  # imported as recipes.train_translation (tests, benchmarks)
     from . import recipe_checks, translation_data
     from .translation_training import (
         BudgetTrainer,
+        DocumentRamp,
         RealTokens,
         TokenCounter,
         bleu_metric,
@@ -71,6 +72,7 @@ else:  # launched as a script: its folder is on sys.path
     import translation_data
     from translation_training import (
         BudgetTrainer,
+        DocumentRamp,
         RealTokens,
         TokenCounter,
         bleu_metric,
@@ -172,6 +174,18 @@ class DataArguments:
             "it learns long documents (a sentence-level warm start within the run); -1: a third of the "
             "budget; 0: documents from the start."
         },
+    )
+    document_ramp: str = field(
+        default="",
+        metadata={
+            "help": "With --document_sentences N and the markers: sentences per piece for the documents' first "
+            "part, e.g. 4,8,16: the documents are first cut into pieces of 4 consecutive sentences (each its own "
+            "row, markers renumbered from <s1>), then 8, then 16, each for an equal share of "
+            "--document_ramp_fraction of the documents' budget, then whole; empty: whole documents throughout."
+        },
+    )
+    document_ramp_fraction: float = field(
+        default=0.6, metadata={"help": "The part of the documents' budget --document_ramp takes."}
     )
     max_source_length: int = field(
         default=0,
@@ -384,6 +398,22 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
             f"--sentence_warmup_minutes {warm}: must be shorter than --max_train_minutes "
             f"{d.max_train_minutes} (the documents train in the rest)"
         )
+    if d.document_ramp:
+        try:
+            sizes = [int(n) for n in d.document_ramp.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or any(n < 1 or n >= max(d.document_sentences, 2) for n in sizes) or sizes != sorted(sizes):
+            raise ValueError(
+                f"--document_ramp {d.document_ramp}: growing sentences per piece, comma-separated, each from 1 "
+                f"to --document_sentences - 1 ({d.document_sentences - 1}), e.g. 4,8,16"
+            )
+        if not d.sentence_markers:
+            raise ValueError(
+                f"--document_ramp {d.document_ramp}: needs the sentence markers (--sentence_markers true): the "
+                "pieces are cut and renumbered at them"
+            )
+    check.fraction("document_ramp_fraction", d.document_ramp_fraction, "the part of the documents' budget cut")
     check.at_least("num_examples_to_print", d.num_examples_to_print, 0, "test translations printed")
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         check.at_least(flag, getattr(training_args, flag), 1, "examples per rank and step")
@@ -398,6 +428,15 @@ def warmup_minutes(data_args) -> float:
     if data_args.sentence_warmup_minutes < 0:
         return round(data_args.max_train_minutes / 3, 2) if data_args.max_train_minutes > 0 else 0.0
     return data_args.sentence_warmup_minutes
+
+
+def ramp_steps(data_args) -> list[tuple[float, int]]:
+    """--document_ramp "4,8,16" -> [(0.2, 4), (0.4, 8), (0.6, 16)] with the default fraction 0.6."""
+    if data_args.document_sentences == 1 or not data_args.document_ramp:
+        return []
+    sizes = [int(n) for n in data_args.document_ramp.split(",")]
+    share = data_args.document_ramp_fraction / len(sizes)
+    return [(share * (i + 1), n) for i, n in enumerate(sizes)]
 
 
 def check_splits(splits, data_args: DataArguments, evaluating: bool) -> None:
@@ -517,11 +556,19 @@ def main(argv=None):
     warm = warmup_minutes(data_args)
     if warm > 0 and "--warmup_steps" not in (argv or sys.argv):
         training_args.warmup_steps = 100  # the documents' optimizer starts fresh on a model that already translates
-    counter = TokenCounter(train_collator)
-    tokens_log = RealTokens(counter, offset_minutes=warm)
     budget = seqpar_hf.TimeBudgetCallback(
         data_args.max_train_minutes - warm if data_args.max_train_minutes else 0, data_args.eval_every_minutes
     )
+    ramp = ramp_steps(data_args)
+    if ramp:
+        markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
+        train_collator = DocumentRamp(train_collator, markers, tokenizer.eos_token_id, ramp, lambda: budget.fraction)
+        logger.info(
+            "document ramp: %s",
+            ", ".join(f"pieces of {n} sentences until {f:.0%} of the documents' budget" for f, n in ramp),
+        )
+    counter = TokenCounter(train_collator)
+    tokens_log = RealTokens(counter, offset_minutes=warm)
     trainer = BudgetTrainer(
         model=model,
         args=training_args,

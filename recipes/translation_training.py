@@ -153,6 +153,52 @@ class TokenCounter:
         return self.collator(features)
 
 
+class DocumentRamp:
+    """--document_ramp: the documents' first part of the budget trains on their pieces of n consecutive sentences,
+    each piece a document of its own (its own row, its markers renumbered from <s1>, </s> at its end: the format
+    of a test document's first n sentences), n growing as the budget goes (`steps`: (fraction, n) pairs), then
+    on the whole documents. Each step keeps its sentences; short rows cost less attention and sit closer to the
+    sentence warm start. `progress` is the budget's agreed fraction (every rank reads the same value, so every
+    rank cuts the batch alike)."""
+
+    def __init__(self, collator, marker_ids: list[int], eos_id: int, steps: list[tuple[float, int]], progress):
+        if marker_ids != list(range(marker_ids[0], marker_ids[0] + len(marker_ids))):
+            raise ValueError("the sentence markers' ids must be consecutive to renumber them")
+        self.collator, self.first, self.count, self.eos = collator, marker_ids[0], len(marker_ids), eos_id
+        self.steps, self.progress, self.current = steps, progress, None
+
+    def sentences(self) -> int | None:
+        """Sentences per piece now; None: whole documents."""
+        fraction = self.progress()
+        return next((n for until, n in self.steps if fraction < until), None)
+
+    def pieces(self, ids: list[int], n: int) -> list[list[int]]:
+        starts = [i for i, t in enumerate(ids) if self.first <= t < self.first + self.count]
+        if not starts or starts[0] != 0:
+            raise ValueError("a document must start with its first sentence marker to be cut into pieces")
+        out = []
+        for k in range(0, len(starts), n):
+            end = starts[k + n] if k + n < len(starts) else len(ids)
+            piece = [t - k if self.first <= t < self.first + self.count else t for t in ids[starts[k] : end]]
+            out.append(piece if piece[-1] == self.eos else piece + [self.eos])
+        return out
+
+    def __call__(self, features):
+        n = self.sentences()
+        if n != self.current:
+            logger.info("training on %s", f"pieces of {n} sentences" if n else "whole documents")
+            self.current = n
+        if n:
+            cut = []
+            for f in features:
+                sources, targets = self.pieces(list(f["input_ids"]), n), self.pieces(list(f["labels"]), n)
+                if len(sources) != len(targets):
+                    raise ValueError(f"{len(sources)} source pieces but {len(targets)} target pieces")
+                cut += [{"input_ids": s, "attention_mask": [1] * len(s), "labels": t} for s, t in zip(sources, targets)]
+            features = cut
+        return self.collator(features)
+
+
 class RealTokens(TrainerCallback):
     """Logs real (non-padding) training tokens per second (what packing and length grouping change), and
     keeps the evaluations' BLEU against the minutes spent training (`curve`, for run_summary.json)."""
