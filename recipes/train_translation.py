@@ -178,10 +178,12 @@ class DataArguments:
     document_ramp: str = field(
         default="",
         metadata={
-            "help": "With --document_sentences N and the markers: sentences per piece for the documents' first "
-            "part, e.g. 4,8,16: the documents are first cut into pieces of 4 consecutive sentences (each its own "
-            "row, markers renumbered from <s1>), then 8, then 16, each for an equal share of "
-            "--document_ramp_fraction of the documents' budget, then whole; empty: whole documents throughout."
+            "help": "With --document_sentences N and the markers: token limits of the documents' pieces for the "
+            "first part of their budget, e.g. 48,96,192: the documents are first cut into pieces of consecutive "
+            "sentences of at most 48 tokens a side (each its own row, markers renumbered from <s1>; data "
+            "parallel across the SP group, the rows being short), then 96, then 192, each for an equal share "
+            "of --document_ramp_fraction of the documents' budget, then whole (split by SP); empty: whole "
+            "documents throughout."
         },
     )
     document_ramp_fraction: float = field(
@@ -403,10 +405,10 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
             sizes = [int(n) for n in d.document_ramp.split(",")]
         except ValueError:
             sizes = []
-        if not sizes or any(n < 1 or n >= max(d.document_sentences, 2) for n in sizes) or sizes != sorted(sizes):
+        if not sizes or min(sizes) < 16 or sizes != sorted(sizes) or d.document_sentences == 1:
             raise ValueError(
-                f"--document_ramp {d.document_ramp}: growing sentences per piece, comma-separated, each from 1 "
-                f"to --document_sentences - 1 ({d.document_sentences - 1}), e.g. 4,8,16"
+                f"--document_ramp {d.document_ramp}: growing token limits per piece, comma-separated, each at "
+                "least 16, e.g. 48,96,192 (with --document_sentences N > 1)"
             )
         if not d.sentence_markers:
             raise ValueError(
@@ -431,7 +433,7 @@ def warmup_minutes(data_args) -> float:
 
 
 def ramp_steps(data_args) -> list[tuple[float, int]]:
-    """--document_ramp "4,8,16" -> [(0.2, 4), (0.4, 8), (0.6, 16)] with the default fraction 0.6."""
+    """--document_ramp "48,96,192" -> [(0.2, 48), (0.4, 96), (0.6, 192)] with the default fraction 0.6."""
     if data_args.document_sentences == 1 or not data_args.document_ramp:
         return []
     sizes = [int(n) for n in data_args.document_ramp.split(",")]
@@ -565,7 +567,7 @@ def main(argv=None):
         train_collator = DocumentRamp(train_collator, markers, tokenizer.eos_token_id, ramp, lambda: budget.fraction)
         logger.info(
             "document ramp: %s",
-            ", ".join(f"pieces of {n} sentences until {f:.0%} of the documents' budget" for f, n in ramp),
+            ", ".join(f"pieces of up to {n} tokens until {f:.0%} of the documents' budget" for f, n in ramp),
         )
     counter = TokenCounter(train_collator)
     tokens_log = RealTokens(counter, offset_minutes=warm)
@@ -583,6 +585,10 @@ def main(argv=None):
     )
     if data_args.lr_decay == "budget" and data_args.max_train_minutes > 0:
         trainer.budget = budget
+    if ramp:  # the pieces are short rows: split across the SP group, not along their sequences (a batch of
+        # pieces has more rows than documents; every rank sees the same batch, so decides alike)
+        documents_per_step = training_args.per_device_train_batch_size
+        trainer.split_rows = lambda batch: batch["labels"].shape[0] > documents_per_step
 
     if warm > 0:
         trainer.train_steps_before = sentence_warm_start(

@@ -12,6 +12,7 @@ from pathlib import Path
 import evaluate
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -133,6 +134,33 @@ class BudgetTrainer(seqpar_hf.SequenceParallelTrainer):
     where those end first (`TimeBudgetCallback.schedule`)."""
 
     budget = None
+    split_rows = None  # a callable(batch): True where the batch's rows are short enough to split across the SP group
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Short rows (--document_ramp's pieces): each rank of the SP group takes every sp-th row of the full
+        batch and runs the plain model on them (data parallel inside the group); long rows: sequence
+        parallel. The same loss and gradients either way: the token loss sum over this rank's rows / the
+        batch's labelled tokens x sp, which the data-parallel wrapper's average over the group turns into
+        the batch's mean loss (the scaling of seqpar_hf's own loss, models/forward/loss.py). On 2 cores a
+        row of tens of tokens gains nothing from being split, and pays the exchange in every layer."""
+        sp, rows = self.layout.sp_size, inputs["labels"].shape[0]
+        if sp == 1 or self.split_rows is None or rows < sp or not self.split_rows(inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if num_items_in_batch is None:
+            num_items_in_batch = self._labelled_tokens([inputs])
+        mine = {k: v[self.layout.sp_rank :: sp] for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        labels = mine.pop("labels")
+        with seqpar_hf.sp_disabled(self.accelerator.unwrap_model(model)):
+            outputs = model(**mine)  # the wrapper's forward: its gradient hooks average over the group
+        total = F.cross_entropy(
+            outputs.logits.float().flatten(0, 1),
+            labels.flatten(),
+            ignore_index=-100,
+            reduction="sum",
+            label_smoothing=self.args.label_smoothing_factor,
+        )
+        loss = total / num_items_in_batch * sp * self.layout.dp_size
+        return (loss, outputs) if return_outputs else loss
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.budget is not None and self.lr_scheduler is None:
@@ -154,12 +182,13 @@ class TokenCounter:
 
 
 class DocumentRamp:
-    """--document_ramp: the documents' first part of the budget trains on their pieces of n consecutive sentences,
-    each piece a document of its own (its own row, its markers renumbered from <s1>, </s> at its end: the format
-    of a test document's first n sentences), n growing as the budget goes (`steps`: (fraction, n) pairs), then
-    on the whole documents. Each step keeps its sentences; short rows cost less attention and sit closer to the
-    sentence warm start. `progress` is the budget's agreed fraction (every rank reads the same value, so every
-    rank cuts the batch alike)."""
+    """--document_ramp: the documents' first part of the budget trains on their pieces, runs of consecutive
+    sentences of at most T tokens a side (whole sentences, at least one), each piece a document of its own (its
+    own row, its markers renumbered from <s1>, </s> at its end: the format of a test document's first
+    sentences), T growing as the budget goes (`steps`: (fraction, T) pairs), then on the whole documents. Each
+    step keeps its sentences; pieces of about one length pad little, cost less attention and sit closer to
+    the sentence warm start. `progress` is the budget's agreed fraction (every rank reads the same value, so
+    every rank cuts the batch alike)."""
 
     def __init__(self, collator, marker_ids: list[int], eos_id: int, steps: list[tuple[float, int]], progress):
         if marker_ids != list(range(marker_ids[0], marker_ids[0] + len(marker_ids))):
@@ -167,35 +196,50 @@ class DocumentRamp:
         self.collator, self.first, self.count, self.eos = collator, marker_ids[0], len(marker_ids), eos_id
         self.steps, self.progress, self.current = steps, progress, None
 
-    def sentences(self) -> int | None:
-        """Sentences per piece now; None: whole documents."""
+    def limit(self) -> int | None:
+        """Tokens per piece now; None: whole documents."""
         fraction = self.progress()
         return next((n for until, n in self.steps if fraction < until), None)
 
-    def pieces(self, ids: list[int], n: int) -> list[list[int]]:
+    def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
         starts = [i for i, t in enumerate(ids) if self.first <= t < self.first + self.count]
         if not starts or starts[0] != 0:
             raise ValueError("a document must start with its first sentence marker to be cut into pieces")
-        out = []
-        for k in range(0, len(starts), n):
-            end = starts[k + n] if k + n < len(starts) else len(ids)
-            piece = [t - k if self.first <= t < self.first + self.count else t for t in ids[starts[k] : end]]
-            out.append(piece if piece[-1] == self.eos else piece + [self.eos])
-        return out
+        return list(zip(starts, [*starts[1:], len(ids)]))
+
+    def _piece(self, ids: list[int], spans: list[tuple[int, int]], first: int) -> list[int]:
+        piece = [t - first if self.first <= t < self.first + self.count else t for t in ids[spans[0][0] : spans[-1][1]]]
+        return piece if piece[-1] == self.eos else [*piece, self.eos]
+
+    def pieces(self, source: list[int], target: list[int], limit: int) -> list[tuple[list[int], list[int]]]:
+        """(source, target) pieces of one document: its sentences in order, grouped while both sides fit."""
+        src, tgt = self._spans(source), self._spans(target)
+        if len(src) != len(tgt):
+            raise ValueError(f"{len(src)} source sentences but {len(tgt)} target sentences")
+        groups, group, size = [], [], (0, 0)
+        for k, ((a, b), (c, d)) in enumerate(zip(src, tgt)):
+            if group and max(size[0] + b - a, size[1] + d - c) + 1 > limit:  # + 1: the piece's </s>
+                groups.append(group)
+                group, size = [], (0, 0)
+            group.append(k)
+            size = (size[0] + b - a, size[1] + d - c)
+        groups.append(group)
+        return [
+            (self._piece(source, src[g[0] : g[-1] + 1], g[0]), self._piece(target, tgt[g[0] : g[-1] + 1], g[0]))
+            for g in groups
+        ]
 
     def __call__(self, features):
-        n = self.sentences()
-        if n != self.current:
-            logger.info("training on %s", f"pieces of {n} sentences" if n else "whole documents")
-            self.current = n
-        if n:
-            cut = []
-            for f in features:
-                sources, targets = self.pieces(list(f["input_ids"]), n), self.pieces(list(f["labels"]), n)
-                if len(sources) != len(targets):
-                    raise ValueError(f"{len(sources)} source pieces but {len(targets)} target pieces")
-                cut += [{"input_ids": s, "attention_mask": [1] * len(s), "labels": t} for s, t in zip(sources, targets)]
-            features = cut
+        limit = self.limit()
+        if limit != self.current:
+            logger.info("training on %s", f"pieces of up to {limit} tokens" if limit else "whole documents")
+            self.current = limit
+        if limit:
+            features = [
+                {"input_ids": s, "attention_mask": [1] * len(s), "labels": t}
+                for f in features
+                for s, t in self.pieces(list(f["input_ids"]), list(f["labels"]), limit)
+            ]
         return self.collator(features)
 
 

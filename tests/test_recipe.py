@@ -58,6 +58,18 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "4", "--sentence_warmup_minutes", "26"],
         "--sentence_warmup_minutes 26.0: must be shorter than --max_train_minutes 26.0",
     ),
+    "document_ramp shrinking": (
+        ["--document_sentences", "32", "--document_ramp", "96,48"],
+        "--document_ramp 96,48: growing token limits per piece, comma-separated, each at least 16, e.g. 48,96,192",
+    ),
+    "document_ramp small": (["--document_sentences", "8", "--document_ramp", "8"], "--document_ramp 8: growing token"),
+    "document_ramp sentences": (["--document_ramp", "48"], "--document_ramp 48: growing token limits per piece"),
+    "document_ramp words": (["--document_sentences", "8", "--document_ramp", "four"], "--document_ramp four: growing"),
+    "document_ramp no markers": (
+        ["--document_sentences", "8", "--document_ramp", "48", "--sentence_markers", "false"],
+        "--document_ramp 48: needs the sentence markers (--sentence_markers true)",
+    ),
+    "document_ramp_fraction 1": (["--document_ramp_fraction", "1"], "--document_ramp_fraction 1.0: must be in [0, 1)"),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
     "vocab_size 3": (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (the shared BPE vocabulary: 3 special"),

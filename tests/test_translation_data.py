@@ -279,6 +279,44 @@ def test_marker_order_in_generation():
     assert out[:, 5].eq(0).all()  # words are the model's choice
 
 
+def test_document_ramp_cuts_documents_into_renumbered_pieces():
+    """--document_ramp: each document becomes pieces of whole consecutive sentences of at most T tokens a side
+    (at least one sentence), each with its markers from <s1> and its </s>; together they hold every token of
+    the document; whole documents once the ramp's part of the budget is spent."""
+    from recipes.translation_training import DocumentRamp
+
+    eos, m = 1, [100, 101, 102, 103, 104]  # <s1> .. <s5>
+    source = [m[0], 7, 8, m[1], 9, m[2], 10, 11, m[3], 12, m[4], 13, eos]  # sentences of 3, 2, 3, 2, 3 tokens
+    target = [m[0], 20, m[1], 21, 22, m[2], 23, m[3], 24, 40, 41, 42, m[4], 25, 26, eos]  # 2, 3, 2, 5, 4
+    progress = [0.1]
+    ramp = DocumentRamp(lambda f: f, m, eos, [(0.3, 6), (0.6, 9)], lambda: progress[0])
+    rows = ramp([{"input_ids": source, "attention_mask": [1] * len(source), "labels": target}])
+    assert [r["input_ids"] for r in rows] == [
+        [m[0], 7, 8, m[1], 9, eos],
+        [m[0], 10, 11, eos],
+        [m[0], 12, eos],
+        [m[0], 13, eos],
+    ]
+    assert [r["labels"] for r in rows] == [
+        [m[0], 20, m[1], 21, 22, eos],
+        [m[0], 23, eos],
+        [m[0], 24, 40, 41, 42, eos],
+        [m[0], 25, 26, eos],
+    ]
+    assert all(r["attention_mask"] == [1] * len(r["input_ids"]) for r in rows)
+    progress[0] = 0.5  # 9 tokens a side: a sentence longer than the limit still makes a piece of its own
+    assert [r["labels"] for r in ramp([{"input_ids": source, "attention_mask": [], "labels": target}])] == [
+        [m[0], 20, m[1], 21, 22, m[2], 23, eos],
+        [m[0], 24, 40, 41, 42, eos],
+        [m[0], 25, 26, eos],
+    ]
+    progress[0] = 0.6
+    whole = {"input_ids": source, "attention_mask": [1] * len(source), "labels": target}
+    assert ramp([whole]) == [whole]
+    with pytest.raises(ValueError, match="must start with its first sentence marker"):
+        DocumentRamp(lambda f: f, m, eos, [(1.0, 6)], lambda: 0.0)([{"input_ids": [7, *source], "labels": target}])
+
+
 def test_build_tokenized_splits(small_tokenizer, sample):
     tokenizer, _ = small_tokenizer
     splits = td.split_by_source(sample, seed=0)
