@@ -64,6 +64,7 @@ TRANSLATION = {  # flags: the start of the message
     ),
     "document_ramp small": (["--document_sentences", "8", "--document_ramp", "8"], "--document_ramp 8: growing token"),
     "document_ramp sentences": (["--document_ramp", "48"], "--document_ramp 48: growing token limits per piece"),
+    "document_ramp none words": (["--document_ramp", "off"], "--document_ramp off: growing token limits per piece"),
     "document_ramp words": (["--document_sentences", "8", "--document_ramp", "four"], "--document_ramp four: growing"),
     "document_ramp no markers": (
         ["--document_sentences", "8", "--document_ramp", "48", "--sentence_markers", "false"],
@@ -321,3 +322,81 @@ def test_recipe_trains_t5_and_saves_a_plain_checkpoint(tmp_path):
     assert "model: T5ForConditionalGeneration" in log and "test BLEU" in log, log[-3000:]
     assert '"model_type": "t5"' in (tmp_path / "model" / "config.json").read_text()
     assert "seqpar" not in (tmp_path / "model" / "config.json").read_text()
+
+
+# -- the document ramp's short rows: data parallel inside the SP group, the same loss and gradients ----------------
+def _row_split_rank(out_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import MarianConfig, MarianMTModel
+
+    from recipes.train_translation import RecipeTrainingArguments
+    from recipes.translation_training import BudgetTrainer
+
+    torch.manual_seed(0)
+    config = MarianConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout=0.0,
+    )  # fmt: skip
+    model = MarianMTModel(config)
+    args = RecipeTrainingArguments(
+        output_dir=out_dir, sp_size=2, use_cpu=True, report_to=[], label_smoothing_factor=0.1
+    )
+    trainer = BudgetTrainer(model=model, args=args, train_dataset=[{"input_ids": [2, 1], "labels": [3, 1]}] * 2)
+    g = torch.Generator().manual_seed(1)  # every rank the same full batch of 5 rows (odd: 3 + 2 rows per rank)
+    ids = torch.randint(2, 64, (5, 9), generator=g)
+    labels = torch.randint(2, 64, (5, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:], labels[2, 4:] = 0, -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    results = {}
+    for name, split in (("sequences", None), ("rows", lambda inputs: True)):
+        trainer.split_rows = split
+        model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        # what the data-parallel wrapper does over the group: the average of every rank's loss and gradients
+        grads = [p.grad.flatten() for p in model.parameters() if p.requires_grad and p.grad is not None]
+        flat = torch.cat([loss.detach().reshape(1), *grads])
+        dist.all_reduce(flat)
+        results[name + " on this rank"] = loss.item()
+        results[name] = (flat / dist.get_world_size()).tolist()
+    return results
+
+
+@pytest.mark.multiprocess
+def test_short_rows_split_across_the_group_train_as_sequence_parallel(tmp_path):
+    """--document_ramp's pieces: each rank of the SP group takes every second row of the full batch and runs the
+    plain model on them; the loss and every gradient are those of the batch split along its sequences."""
+    import numpy as np
+
+    from tests.helpers.spawn import spawn
+
+    ranks = spawn(_row_split_rank, 2, str(tmp_path))
+    # each rank's own rows: their losses differ (split along the sequences, every rank returns the group's)
+    assert ranks[0]["rows on this rank"] != pytest.approx(ranks[1]["rows on this rank"], rel=1e-3)
+    assert ranks[0]["sequences on this rank"] == pytest.approx(ranks[1]["sequences on this rank"], rel=1e-6)
+    for rank in ranks:
+        sequences, rows = np.array(rank["sequences"]), np.array(rank["rows"])
+        assert np.abs(sequences).max() > 0
+        np.testing.assert_allclose(rows, sequences, rtol=1e-5, atol=1e-6)
+
+
+def test_document_ramp_auto(recipes, tmp_path):
+    """--document_ramp auto (the default): 48, 96 and 192 tokens over 20% each of the documents' budget, with the
+    markers; nothing for sentences, without markers, or with none."""
+    recipe = recipes["translation"]
+
+    def steps(*argv):
+        _, data_args, _ = _parsed(recipe, list(argv), tmp_path)
+        return recipe.ramp_steps(data_args)
+
+    assert [(round(f, 2), n) for f, n in steps("--document_sentences", "32")] == [(0.2, 48), (0.4, 96), (0.6, 192)]
+    assert steps() == []
+    assert steps("--document_sentences", "32", "--sentence_markers", "false") == []
+    assert steps("--document_sentences", "32", "--document_ramp", "none") == []
+    assert steps("--document_sentences", "32", "--document_ramp", "64", "--document_ramp_fraction", "0.5") == [
+        (0.5, 64)
+    ]
