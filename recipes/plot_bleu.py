@@ -40,9 +40,9 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     (beam search) as a star at the end of training, with its value; a warm start on sentences shaded."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    warm_starts = 0
+    warm_starts, stars = 0, []
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
-    for i, (run_dir, color) in enumerate(zip(run_dirs, colors)):
+    for run_dir, color in zip(run_dirs, colors):
         summary = json.loads((run_dir / "run_summary.json").read_text())
         curve = summary["eval_curve"]
         warm = summary.get("sentence_warmup_minutes", 0)
@@ -65,11 +65,14 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
             warm_starts += 1
         end = curve[-1]["minutes"] if curve else 0
         ax.scatter([end], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3)
+        stars.append((end, summary["test_bleu"], color))
+    for end, bleu, color in stars:  # the value above its star, below where a higher star stands close by
+        below = any(abs(end - x) < 3 and bleu < y < bleu + 3 for x, y, _ in stars)
         ax.annotate(
-            f"{summary['test_bleu']:.2f}",
-            (end, summary["test_bleu"]),
+            f"{bleu:.2f}",
+            (end, bleu),
             textcoords="offset points",
-            xytext=(7, 2 if i % 2 == 0 else -9),
+            xytext=(7, -10 if below else 2),
             color=color,
             fontsize=8,
         )
