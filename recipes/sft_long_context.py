@@ -246,3 +246,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # join gloo's threads before exit: without it a rank can abort there
+        torch.distributed.destroy_process_group()  # ("terminate called without an active exception")
