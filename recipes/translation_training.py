@@ -144,7 +144,9 @@ class BudgetTrainer(seqpar_hf.SequenceParallelTrainer):
         the batch's mean loss (the scaling of seqpar_hf's own loss, models/forward/loss.py). On 2 cores a
         row of tens of tokens gains nothing from being split, and pays the exchange in every layer."""
         sp, rows = self.layout.sp_size, inputs["labels"].shape[0]
-        if sp == 1 or self.split_rows is None or rows < sp or not self.split_rows(inputs):
+        # training only: evaluation's batches hold more documents than a training step, and its loss is the
+        # group's on every rank (prediction_step)
+        if sp == 1 or not model.training or self.split_rows is None or rows < sp or not self.split_rows(inputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if num_items_in_batch is None:
             num_items_in_batch = self._labelled_tokens([inputs])

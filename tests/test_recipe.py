@@ -363,6 +363,9 @@ def _row_split_rank(out_dir: str) -> dict:
         dist.all_reduce(flat)
         results[name + " on this rank"] = loss.item()
         results[name] = (flat / dist.get_world_size()).tolist()
+    model.eval()  # evaluation never splits the rows: its loss is the group's on every rank
+    with torch.no_grad():
+        results["evaluation on this rank"] = trainer.compute_loss(trainer.model, dict(batch)).item()
     return results
 
 
@@ -378,6 +381,8 @@ def test_short_rows_split_across_the_group_train_as_sequence_parallel(tmp_path):
     # each rank's own rows: their losses differ (split along the sequences, every rank returns the group's)
     assert ranks[0]["rows on this rank"] != pytest.approx(ranks[1]["rows on this rank"], rel=1e-3)
     assert ranks[0]["sequences on this rank"] == pytest.approx(ranks[1]["sequences on this rank"], rel=1e-6)
+    assert ranks[0]["evaluation on this rank"] == pytest.approx(ranks[1]["evaluation on this rank"], rel=1e-6)
+    assert ranks[0]["evaluation on this rank"] == pytest.approx(ranks[0]["sequences on this rank"], rel=1e-5)
     for rank in ranks:
         sequences, rows = np.array(rank["sequences"]), np.array(rank["rows"])
         assert np.abs(sequences).max() > 0
