@@ -191,6 +191,14 @@ class DataArguments:
     document_ramp_fraction: float = field(
         default=0.6, metadata={"help": "The part of the documents' budget --document_ramp takes."}
     )
+    document_ramp_mix: bool = field(
+        default=False,
+        metadata={
+            "help": "Instead of growing limits one after the other, each document of the ramp's part of the budget "
+            "is cut at a limit drawn from --document_ramp's and the whole document alike (pieces of every length "
+            "all along), then whole documents."
+        },
+    )
     max_source_length: int = field(
         default=0,
         metadata={
@@ -572,10 +580,15 @@ def main(argv=None):
     ramp = ramp_steps(data_args)
     if ramp:
         markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
-        train_collator = DocumentRamp(train_collator, markers, tokenizer.eos_token_id, ramp, lambda: budget.fraction)
+        train_collator = DocumentRamp(
+            train_collator, markers, tokenizer.eos_token_id, ramp, lambda: budget.fraction, data_args.document_ramp_mix
+        )
         logger.info(
             "document ramp: %s",
-            ", ".join(f"pieces of up to {n} tokens until {f:.0%} of the documents' budget" for f, n in ramp),
+            f"each document cut at {', '.join(str(n) for _, n in ramp)} tokens or whole, drawn alike, until "
+            f"{ramp[-1][0]:.0%} of the documents' budget"
+            if data_args.document_ramp_mix
+            else ", ".join(f"pieces of up to {n} tokens until {f:.0%} of the documents' budget" for f, n in ramp),
         )
     counter = TokenCounter(train_collator)
     tokens_log = RealTokens(counter, offset_minutes=warm)
