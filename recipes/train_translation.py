@@ -194,9 +194,9 @@ class DataArguments:
     document_ramp_mix: bool = field(
         default=False,
         metadata={
-            "help": "Instead of growing limits one after the other, each document of the ramp's part of the budget "
-            "is cut at a limit drawn from --document_ramp's and the whole document alike (pieces of every length "
-            "all along), then whole documents."
+            "help": "Instead of growing limits one after the other, each batch of the ramp's part of the budget is "
+            "cut at a limit drawn from --document_ramp's and the whole document alike (pieces of every length all "
+            "along), then whole documents."
         },
     )
     max_source_length: int = field(
@@ -585,7 +585,7 @@ def main(argv=None):
         )
         logger.info(
             "document ramp: %s",
-            f"each document cut at {', '.join(str(n) for _, n in ramp)} tokens or whole, drawn alike, until "
+            f"each batch cut at {', '.join(str(n) for _, n in ramp)} tokens or whole, drawn alike, until "
             f"{ramp[-1][0]:.0%} of the documents' budget"
             if data_args.document_ramp_mix
             else ", ".join(f"pieces of up to {n} tokens until {f:.0%} of the documents' budget" for f, n in ramp),

@@ -5,7 +5,6 @@ over time, the per-sentence length bound of generation, and the BLEU metric."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -210,11 +209,13 @@ class DocumentRamp:
             return -1 if fraction < self.steps[-1][0] else None
         return next((n for until, n in self.steps if fraction < until), None)
 
-    def mixed_limit(self, ids: list[int]) -> int | None:
-        """`mix`: one document's limit, drawn from the ramp's limits and the whole document alike; drawn from the
-        document's tokens and the agreed progress, so every rank (and every data-loader worker) draws the same."""
+    def mixed_limit(self, features) -> int | None:
+        """`mix`: one batch's limit, drawn from the ramp's limits and the whole document alike (per batch, not per
+        document: rows of one length pad little, as a length-bucketed batch); drawn from the batch's first tokens
+        and the agreed progress, so every rank (and every data-loader worker) draws the same."""
         choices = [n for _, n in self.steps] + [None]
-        key = zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes()) ^ int(self.progress() * 1e6)
+        ids = np.asarray(list(features[0]["input_ids"]), dtype=np.int64)
+        key = zlib.crc32(ids.tobytes()) ^ int(self.progress() * 1e6)
         return choices[random.Random(key).randrange(len(choices))]
 
     def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
@@ -252,14 +253,14 @@ class DocumentRamp:
                 f"{n}" for _, n in self.steps) + " tokens and whole, alike"}  # fmt: skip
             logger.info("training on %s", what.get(limit, f"pieces of up to {limit} tokens"))
             self.current = limit
+        if limit == -1:
+            limit = self.mixed_limit(features)
         if limit:
-            cut = []
-            for f in features:
-                source, target = list(f["input_ids"]), list(f["labels"])
-                n = self.mixed_limit(source) if limit == -1 else limit
-                pieces = self.pieces(source, target, n) if n else [(source, target)]
-                cut += [{"input_ids": s, "attention_mask": [1] * len(s), "labels": t} for s, t in pieces]
-            features = cut
+            features = [
+                {"input_ids": s, "attention_mask": [1] * len(s), "labels": t}
+                for f in features
+                for s, t in self.pieces(list(f["input_ids"]), list(f["labels"]), limit)
+            ]
         return self.collator(features)
 
 
@@ -338,62 +339,6 @@ class SentenceMarkerOrder(LogitsProcessor):
         allowed[rows, nxt] = scores[rows, nxt]  # the next marker, while source sentences are left
         allowed[rows, self.eos] = float("-inf")  # and no end before the last one
         return allowed
-
-
-class SentenceGuards(LogitsProcessor):
-    """Documents with numbered sentence markers: the sentence model's two guards, applied to each sentence of the
-    document rather than to the whole. No n-gram repeated inside a sentence (`ngram`; across sentences a
-    document repeats 3-grams: "Je ne ..."), and sentence k ends after `a x its source sentence's tokens + b`
-    (the next marker forced, or </s> after the last). Runs after `SentenceMarkerOrder`."""
-
-    def __init__(self, source_ids, marker_ids: list[int], eos_token_id: int, ngram: int, a: float, b: int):
-        self.markers, self.eos, self.ngram = torch.tensor(marker_ids), eos_token_id, ngram
-        self.limits = []  # per source row: the token bound of each of its sentences (0 for a bound off)
-        marker_set = set(marker_ids)
-        for row in source_ids.tolist():
-            lengths, count = [], None
-            for token in row:
-                if token in marker_set:
-                    if count is not None:
-                        lengths.append(count)
-                    count = 0
-                elif token == eos_token_id:
-                    break
-                elif count is not None:
-                    count += 1
-            if count is not None:
-                lengths.append(count)
-            self.limits.append([int(math.ceil(a * n)) + b if a > 0 else 0 for n in lengths])
-
-    def __call__(self, input_ids, scores):
-        markers = self.markers.to(input_ids.device)
-        beams = input_ids.shape[0] // len(self.limits)
-        is_marker = torch.isin(input_ids, markers)
-        written = is_marker.sum(-1).tolist()
-        steps = torch.arange(input_ids.shape[1], device=input_ids.device)
-        last = torch.where(is_marker, steps, -1).max(-1).values.tolist()  # the current sentence's marker
-        ids = input_ids.tolist()
-        scores = scores.clone()
-        for r, row in enumerate(ids):
-            if written[r] == 0:
-                continue  # before the first marker (SentenceMarkerOrder forces it)
-            sentence = row[last[r] + 1 :]
-            n = self.ngram
-            if n and len(sentence) >= n - 1:
-                prefix = sentence[len(sentence) - n + 1 :] if n > 1 else []
-                banned = {
-                    sentence[i + n - 1] for i in range(len(sentence) - n + 1) if sentence[i : i + n - 1] == prefix
-                }
-                if banned:
-                    scores[r, list(banned)] = float("-inf")
-            limits = self.limits[r // beams]
-            k = written[r]  # 1-based: the sentence being written
-            if k <= len(limits) and limits[k - 1] and len(sentence) >= limits[k - 1]:
-                nxt = self.eos if k >= len(limits) else int(self.markers[k])
-                forced = torch.full_like(scores[r], float("-inf"))
-                forced[nxt] = 0.0
-                scores[r] = forced
-        return scores
 
 
 def generation_kwargs_fn(data_args, tokenizer):

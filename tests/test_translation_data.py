@@ -317,8 +317,8 @@ def test_document_ramp_cuts_documents_into_renumbered_pieces():
         DocumentRamp(lambda f: f, m, eos, [(1.0, 6)], lambda: 0.0)([{"input_ids": [7, *source], "labels": target}])
 
 
-def test_document_ramp_mix_draws_each_documents_limit_alike_on_every_rank():
-    """--document_ramp_mix: during the ramp each document is cut at a limit drawn from the ramp's and whole alike
+def test_document_ramp_mix_draws_each_batchs_limit_alike_on_every_rank():
+    """--document_ramp_mix: during the ramp each batch is cut at a limit drawn from the ramp's and whole alike
     (every choice occurs), the same draw on every rank (two collators, as two ranks hold, cut a batch alike);
     whole documents once the ramp's part of the budget is spent."""
     from recipes.translation_training import DocumentRamp
@@ -395,35 +395,3 @@ def test_prepare_cache_hit(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1
     td.prepare(tmp_path, num_proc=1, **{**args, "seed": 1})  # another argument, another entry
     assert len(list(tmp_path.iterdir())) == 2
-
-
-def test_sentence_guards_bound_and_unrepeat_each_sentence():
-    """Documents at generation: within the sentence being written no repeated n-gram (the same n-gram in an
-    earlier sentence is allowed), and sentence k ends after a x its source sentence's tokens + b: the next
-    marker forced, </s> after the last."""
-    import torch
-
-    from recipes.translation_training import SentenceGuards
-
-    m1, m2, eos, inf = 10, 11, 1, float("-inf")
-    source = torch.tensor([[m1, 5, 5, m2, 6, eos]])  # sentences of 2 and 1 tokens: bounds 1x2+1=3 and 1x1+1=2
-    guards = SentenceGuards(source, [m1, m2], eos, ngram=2, a=1.0, b=1)
-    assert guards.limits == [[3, 2]]
-    scores = torch.zeros(4, 12)  # 4 beams
-    written = torch.tensor(
-        [
-            [0, 0, m1, 7, 8],  # sentence 1, 2 tokens, "7 8": nothing to ban after 8
-            [0, 0, m1, 7, 7],  # "7 7" written: after 7, 7 is banned
-            [0, m1, 7, 8, 9],  # 3 tokens: the bound, the next marker forced
-            [m1, 7, 8, m2, 7],  # sentence 2: "7 8" is sentence 1's, so 8 after 7 is allowed; 1 token < 2
-        ]
-    )
-    out = guards(written, scores)
-    assert out[0].eq(0).all()
-    assert out[1, 7] == inf and out[1, 8] == 0
-    assert out[2, m2] == 0 and out[2, :m2].eq(inf).all() and out[2, m2 + 1 :].eq(inf).all()
-    assert out[3].eq(0).all()
-    last = guards(torch.tensor([[m1, 7, m2, 3, 4]] * 4), scores)  # the last sentence at its bound: </s>
-    assert last[:, eos].eq(0).all() and last[:, 2:].eq(inf).all()
-    off = SentenceGuards(source, [m1, m2], eos, ngram=0, a=0.0, b=1)  # both off: the scores untouched
-    assert torch.equal(off(written, scores), scores)
