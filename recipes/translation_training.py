@@ -250,7 +250,7 @@ class DocumentRamp:
         limit = self.limit()
         if limit != self.current:
             what = {None: "whole documents", -1: "documents cut at limits drawn from " + ", ".join(
-                f"{n}" for _, n in self.steps) + " tokens and whole, alike"}  # fmt: skip
+                f"{n}" for _, n in self.steps) + " tokens and whole, alike, per batch"}  # fmt: skip
             logger.info("training on %s", what.get(limit, f"pieces of up to {limit} tokens"))
             self.current = limit
         if limit == -1:
