@@ -426,6 +426,11 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
                 "pieces are cut and renumbered at them"
             )
     check.fraction("document_ramp_fraction", d.document_ramp_fraction, "the part of the documents' budget cut")
+    if d.document_ramp_mix and not ramp_steps(d):
+        raise ValueError(
+            "--document_ramp_mix true: mixes the ramp's pieces, and there is no ramp (it needs --document_sentences "
+            "N > 1, the sentence markers and a --document_ramp other than none)"
+        )
     check.at_least("num_examples_to_print", d.num_examples_to_print, 0, "test translations printed")
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         check.at_least(flag, getattr(training_args, flag), 1, "examples per rank and step")

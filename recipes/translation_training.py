@@ -203,7 +203,7 @@ class DocumentRamp:
         self.steps, self.progress, self.current, self.mix = steps, progress, None, mix
 
     def limit(self) -> int | None:
-        """Tokens per piece now; None: whole documents; -1: each document at a limit of its own (`mix`)."""
+        """Tokens per piece now; None: whole documents; -1: each batch at a limit drawn for it (`mix`)."""
         fraction = self.progress()
         if self.mix:
             return -1 if fraction < self.steps[-1][0] else None

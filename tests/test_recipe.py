@@ -71,6 +71,14 @@ TRANSLATION = {  # flags: the start of the message
         "--document_ramp 48: needs the sentence markers (--sentence_markers true)",
     ),
     "document_ramp_fraction 1": (["--document_ramp_fraction", "1"], "--document_ramp_fraction 1.0: must be in [0, 1)"),
+    "document_ramp_mix sentences": (
+        ["--document_ramp_mix", "true"],
+        "--document_ramp_mix true: mixes the ramp's pieces, and there is no ramp (it needs --document_sentences N > 1",
+    ),
+    "document_ramp_mix none": (
+        ["--document_sentences", "8", "--document_ramp", "none", "--document_ramp_mix", "true"],
+        "--document_ramp_mix true: mixes the ramp's pieces, and there is no ramp",
+    ),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
     "vocab_size 3": (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (the shared BPE vocabulary: 3 special"),
