@@ -8,7 +8,8 @@ The document model (recipes/train_translation.py --document_sentences 32, number
 document mode's 74 test documents as the recipe's test does (beam 4, the markers' order enforced, the per-sentence
 length bound, no n-gram rule, bf16 where the recipe trains in bf16), one process. Its output is cut at the
 markers: the tokens after marker k (up to the next marker) are its translation of sentence k; a marker it never
-wrote leaves its sentence empty. Reported per range of positions (1-8, 9-16, ...): the document model's BLEU, the
+wrote leaves its sentence empty. Reported per range of positions (1-8, 9-16, ...) and per range of source length
+(English words, ranges of about as many sentences each): the document model's BLEU, the
 sentence model's, the sentences left empty, and the length of the translations against the references' (words);
 and the document BLEU of both, as the recipe scores documents. Nothing is trained.
 """
@@ -59,6 +60,15 @@ def words(texts) -> int:
     return sum(len(t.split()) for t in texts)
 
 
+def length_ranges(lengths: list[int], groups: int) -> list[tuple[int, int]]:
+    """Source lengths (words) in up to `groups` ranges of about as many sentences each, by their quantiles:
+    [3, 5, 5, 7, 9, 12], 3 -> (3, 4), (5, 8), (9, 12); one length never splits across two ranges."""
+    ordered = sorted(lengths)
+    cuts = sorted({ordered[min(len(ordered) - 1, len(ordered) * i // groups)] for i in range(1, groups)})
+    bounds = [ordered[0] - 1] + [c - 1 for c in cuts if c - 1 >= ordered[0]] + [ordered[-1]]
+    return [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i + 1] > bounds[i]]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="BLEU by sentence position of a document model's test translations, cut at its sentence "
@@ -71,13 +81,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_beams", type=int, default=4, help="beam size (the recipe's --test_num_beams: 4)")
     parser.add_argument("--batch_size", type=int, default=16, help="documents per generate() call (the recipe's: 16)")
     parser.add_argument("--position_groups", type=int, default=4, help="ranges of positions")
+    parser.add_argument(
+        "--length_groups", type=int, default=4, help="ranges of source length (English words), about even in size"
+    )
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="as the recipe's")
     parser.add_argument("--num_threads", type=int, default=0, help="torch threads (0: the usable cores)")
     parser.add_argument("--data_cache_dir", default=DataArguments.data_cache_dir, help="the recipe's data cache")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    if args.document_sentences < 2 or min(args.num_beams, args.batch_size, args.position_groups) < 1:
-        parser.error("--document_sentences must be >= 2, --num_beams, --batch_size, --position_groups >= 1")
+    if (
+        args.document_sentences < 2
+        or min(args.num_beams, args.batch_size, args.position_groups, args.length_groups) < 1
+    ):
+        parser.error(
+            "--document_sentences must be >= 2, --num_beams, --batch_size, --position_groups, --length_groups >= 1"
+        )
     return args
 
 
@@ -132,13 +150,10 @@ def main(argv=None) -> dict:
             DEFAULT_BATCH["per_device_eval_batch_size"], precision == "bf16",
         )  # fmt: skip
 
-    positions = db.sentence_positions(len(test), n)
-    rows = []
-    for first, last in db.position_ranges(n, args.position_groups):
-        at = [i for i, k in enumerate(positions) if first <= k <= last]
+    def scores(at: list[int], key: str, value: str) -> dict:
         refs = [test["fr_refs"][i] for i in at]
         row = {
-            "positions": f"{first}-{last}",
+            key: value,
             "sentences": len(at),
             "document_model_bleu": metric.compute(predictions=[hypotheses[i] for i in at], references=refs)["score"],
             "empty": sum(empty_at[i] for i in at),
@@ -147,7 +162,18 @@ def main(argv=None) -> dict:
         if baseline is not None:
             row["sentence_model_bleu"] = metric.compute(predictions=[baseline[i] for i in at], references=refs)["score"]
             row["sentence_model_length_ratio"] = words(baseline[i] for i in at) / max(1, words(r[0] for r in refs))
-        rows.append(row)
+        return row
+
+    positions = db.sentence_positions(len(test), n)
+    rows = [
+        scores([i for i, k in enumerate(positions) if first <= k <= last], "positions", f"{first}-{last}")
+        for first, last in db.position_ranges(n, args.position_groups)
+    ]
+    lengths = [len(en.split()) for en in test["en"]]  # the English source, as written
+    by_length = [
+        scores([i for i, w in enumerate(lengths) if first <= w <= last], "source_words", f"{first}-{last}")
+        for first, last in length_ranges(lengths, args.length_groups)
+    ]
     result = {
         "command": ["python", *sys.argv] if argv is None else ["recipes/document_positions.py", *argv],
         "date": datetime.date.today().isoformat(),
@@ -160,6 +186,7 @@ def main(argv=None) -> dict:
         "document_model_sentence_bleu": metric.compute(predictions=hypotheses, references=test["fr_refs"])["score"],
         "sentences_left_empty": sum(empty_at),
         "by_position": rows,
+        "by_source_length": by_length,
         "decoding_s": round(seconds, 1),
     }
     if baseline is not None:
@@ -172,13 +199,14 @@ def main(argv=None) -> dict:
     print(f"\n{args.model} (documents of {n}) against {args.baseline or 'no baseline'} (each sentence alone)")
     print(f"  document BLEU: {documents_bleu:.2f}  sentence BLEU of the cut translations: "
           f"{result['document_model_sentence_bleu']:.2f}; sentences left empty: {sum(empty_at)}")  # fmt: skip
-    for row in rows:
-        base = f"  sentence model {row['sentence_model_bleu']:6.2f}" if baseline is not None else ""
-        own = row["document_model_bleu"]
-        print(
-            f"  positions {row['positions']:>5} ({row['sentences']:4d}): document model {own:6.2f}{base}"
-            f"  empty {row['empty']:3d}  length {row['length_ratio']:.2f}"
-        )
+    for key, label in (("positions", "positions"), ("source_words", "source words")):
+        for row in rows if key == "positions" else by_length:
+            base = f"  sentence model {row['sentence_model_bleu']:6.2f}" if baseline is not None else ""
+            own = row["document_model_bleu"]
+            print(
+                f"  {label} {row[key]:>5} ({row['sentences']:4d}): document model {own:6.2f}{base}"
+                f"  empty {row['empty']:3d}  length {row['length_ratio']:.2f}"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"  written: {args.out}")

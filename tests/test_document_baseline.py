@@ -56,3 +56,18 @@ def test_a_generated_document_is_cut_at_its_markers():
     assert pieces == [[5, 6], [], [8, 2]] and missing == 1
     pieces, missing = dp.split_at_markers([101, 4, 102, 9], markers, 2)  # a document of 2: marker 3 unused
     assert pieces == [[4], [9]] and missing == 0
+
+
+def test_source_lengths_fall_in_ranges_of_about_as_many_sentences():
+    """recipes/document_positions.py --length_groups: ranges by the lengths' quantiles, every length in exactly one,
+    covering all; one length repeated gives one range."""
+    from recipes import document_positions as dp
+
+    assert dp.length_ranges([3, 5, 5, 7, 9, 12], 3) == [(3, 4), (5, 8), (9, 12)]
+    assert dp.length_ranges([4] * 10, 4) == [(4, 4)]
+    lengths = [1 + (i * 7) % 23 for i in range(500)]
+    ranges = dp.length_ranges(lengths, 4)
+    assert ranges[0][0] == min(lengths) and ranges[-1][1] == max(lengths)
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
+    counts = [sum(first <= w <= last for w in lengths) for first, last in ranges]
+    assert sum(counts) == len(lengths) and max(counts) < 2 * len(lengths) / 4

@@ -413,3 +413,43 @@ def test_document_ramp_auto(recipes, tmp_path):
     assert steps("--document_sentences", "32", "--document_ramp", "64", "--document_ramp_fraction", "0.5") == [
         (0.5, 64)
     ]
+
+
+def test_bleu_figure_from_kept_summaries_with_a_baseline(tmp_path):
+    """recipes/plot_bleu.py draws output_dirs and kept summaries (NAME.json) alike, a dashed line per --baseline,
+    more runs than one palette's worth; a baseline that is not a number is refused with its value."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from recipes import plot_bleu
+
+    runs = []
+    for i in range(7):
+        summary = {
+            "eval_curve": [
+                {"minutes": 5.0, "step": 10, "eval_bleu": 10.0 + i},
+                {"minutes": 9.0, "step": 20, "eval_bleu": 20.0},
+            ],
+            "test_bleu": 21.0 + i,
+            "steps": 100 * (i + 1),
+            "sp_size": 1 + i % 2,
+            "document_sentences": 32 if i % 2 else 1,
+            "sentence_warmup_minutes": 2.0 if i % 2 else 0,
+            "command": ["--mixed_documents", "false"],
+            "precision": "bf16",
+        }
+        if i == 0:
+            (tmp_path / "out").mkdir()
+            (tmp_path / "out" / "run_summary.json").write_text(json.dumps(summary))
+            runs.append(str(tmp_path / "out"))
+        else:
+            (tmp_path / f"run{i}.json").write_text(json.dumps(summary))
+            runs.append(str(tmp_path / f"run{i}.json"))
+    out = tmp_path / "bleu.png"
+    plot_bleu.main([*runs, "--baseline", "57.70", "the sentence model, joined", "--steps_panel", "--out", str(out)])
+    assert out.stat().st_size > 10_000
+    assert plot_bleu.label(json.loads(Path(runs[1]).read_text()), Path(runs[1])).startswith(
+        "run1: sp=2, documents of 32"
+    )
+    with pytest.raises(SystemExit):
+        plot_bleu.main([*runs, "--baseline", "high", "x", "--out", str(out)])
