@@ -5,7 +5,7 @@ sentences (each alone, `document_baseline.py`).
     python recipes/document_positions.py --model runs/documents --baseline runs/default [--out positions.json]
 
 The document model (recipes/train_translation.py --document_sentences 32, numbered sentence markers) translates the
-document mode's 74 test documents as the recipe's test does (beam 4, the markers' order enforced, the per-sentence
+document mode's 74 test documents as the recipe's test does (beam 8, the markers' order enforced, the per-sentence
 length bound, no n-gram rule, bf16 where the recipe trains in bf16), one process. Its output is cut at the
 markers: the tokens after marker k (up to the next marker) are its translation of sentence k; a marker it never
 wrote leaves its sentence empty. Reported per range of positions (1-8, 9-16, ...) and per range of source length
@@ -32,12 +32,12 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 if __package__:  # imported as recipes.document_positions (tests)
     from . import document_baseline as db
     from . import translation_data
-    from .train_translation import DEFAULT_BATCH, DataArguments
+    from .train_translation import DEFAULT_BATCH, DOCUMENT_TEST_BEAMS, DataArguments
     from .translation_training import bleu_metric, choose_precision, use_the_cores
 else:  # launched as a script: its folder is on sys.path
     import document_baseline as db
     import translation_data
-    from train_translation import DEFAULT_BATCH, DataArguments
+    from train_translation import DEFAULT_BATCH, DOCUMENT_TEST_BEAMS, DataArguments
     from translation_training import bleu_metric, choose_precision, use_the_cores
 
 
@@ -78,7 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a document model saved by recipes/train_translation.py")
     parser.add_argument("--baseline", help="a sentence model saved by the recipe (its translations per position)")
     parser.add_argument("--document_sentences", type=int, default=32, help="sentences per document, as trained")
-    parser.add_argument("--num_beams", type=int, default=4, help="beam size (the recipe's --test_num_beams: 4)")
+    parser.add_argument(
+        "--num_beams", type=int, default=DOCUMENT_TEST_BEAMS, help="beam size (the recipe's test of documents: 8)"
+    )
     parser.add_argument("--batch_size", type=int, default=16, help="documents per generate() call (the recipe's: 16)")
     parser.add_argument("--position_groups", type=int, default=4, help="ranges of positions")
     parser.add_argument(

@@ -453,3 +453,22 @@ def test_bleu_figure_from_kept_summaries_with_a_baseline(tmp_path):
     )
     with pytest.raises(SystemExit):
         plot_bleu.main([*runs, "--baseline", "high", "x", "--out", str(out)])
+
+
+def test_documents_decode_the_test_with_8_beams_unless_told(recipes, tmp_path):
+    """--document_sentences N > 1: the test's beam search over whole documents takes 8 beams (4 for sentences),
+    unless --test_num_beams is given; the other document defaults as before."""
+    recipe = recipes["translation"]
+
+    def applied(*argv):
+        _, data_args, training_args = _parsed(recipe, list(argv), tmp_path)
+        recipe.document_defaults(data_args, training_args, list(argv))
+        return data_args, training_args
+
+    data_args, training_args = applied("--document_sentences", "32", "--mixed_documents", "false")
+    assert data_args.test_num_beams == 8 and data_args.no_repeat_ngram_size == 0
+    assert training_args.per_device_train_batch_size == 3 and training_args.sp_generate == "always"
+    assert applied("--document_sentences", "32", "--test_num_beams", "4")[0].test_num_beams == 4
+    data_args, training_args = applied()
+    assert data_args.test_num_beams == 4 and data_args.no_repeat_ngram_size == 3
+    assert training_args.per_device_train_batch_size == 96
