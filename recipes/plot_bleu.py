@@ -4,7 +4,7 @@ BLEU (beam search) at the end of each run. A run is its output_dir or a copy of 
 tracked figure is drawn from the summaries kept in benchmarks/results/translation_runs/:
 
     python recipes/plot_bleu.py runs/default runs/sp2 runs/documents --out translation_bleu.png
-    python recipes/plot_bleu.py benchmarks/results/translation_runs/*.json \\
+    python recipes/plot_bleu.py benchmarks/results/translation_runs/documents-*.json --steps_panel \\
         --baseline 57.70 "the sentence model's translations of the test documents, joined (document BLEU)"
 """
 
@@ -105,7 +105,10 @@ def plot(
             color=color,
             fontsize=8,
         )
-    ax.scatter([], [], marker="*", s=100, color="gray", label="test BLEU (beam 4, all test sentences / documents)")
+    beams = "/".join(str(b) for b in sorted({summary.get("test_beams", 4) for summary in summaries}))
+    ax.scatter(
+        [], [], marker="*", s=100, color="gray", label=f"test BLEU (beam {beams}, all test sentences / documents)"
+    )
     ax.set_xlabel("minutes of training (2 CPU cores); lines: validation BLEU, greedy")
     ax.set_ylabel("BLEU")
     ax.set_ylim(bottom=0)
@@ -130,7 +133,7 @@ def plot(
             )
         by_steps.margins(x=0.3)  # room for the names right of the points
         by_steps.set_xlabel("steps trained (after a warm start on sentences: steps on documents)")
-        by_steps.set_ylabel("test BLEU (beam 4)")
+        by_steps.set_ylabel(f"test BLEU (beam {beams})")
         by_steps.grid(alpha=0.3)
         by_steps.set_title("test BLEU against the steps each run trained")
     return save(fig, out)
