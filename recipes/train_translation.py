@@ -66,6 +66,7 @@ if __package__:  # imported as recipes.train_translation (tests, benchmarks)
         generation_kwargs_fn,
         make_compute_metrics,
         sentence_warm_start,
+        start_from,
         use_the_cores,
     )
 else:  # launched as a script: its folder is on sys.path
@@ -82,6 +83,7 @@ else:  # launched as a script: its folder is on sys.path
         generation_kwargs_fn,
         make_compute_metrics,
         sentence_warm_start,
+        start_from,
         use_the_cores,
     )
 
@@ -214,6 +216,15 @@ class DataArguments:
     num_threads: int = field(
         default=0,
         metadata={"help": "Torch threads per process on CPU; 0: the usable cores divided by the local processes."},
+    )
+    init_from: str = field(
+        default="",
+        metadata={
+            "help": "Start from a model this recipe saved (its --output_dir), e.g. the main command's sentence model "
+            "before --document_sentences: its weights, the documents' marker rows added; the model flags must be "
+            "the ones it was trained with. With documents there is then no sentence warm start unless "
+            "--sentence_warmup_minutes is given."
+        },
     )
     max_pairs: int | None = field(
         default=None,
@@ -440,6 +451,11 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
     check.at_least("num_examples_to_print", d.num_examples_to_print, 0, "test translations printed")
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         check.at_least(flag, getattr(training_args, flag), 1, "examples per rank and step")
+    if d.init_from and not Path(d.init_from, "config.json").is_file():
+        raise ValueError(
+            f"--init_from {d.init_from}: no saved model there (no config.json); give the --output_dir of a finished "
+            "run of this recipe"
+        )
     check.folder("data_cache_dir", d.data_cache_dir, writable=False)  # a prepared cache may be read-only
     check.folder("output_dir", training_args.output_dir, writable=True)
 
@@ -448,6 +464,8 @@ def warmup_minutes(data_args) -> float:
     """Minutes of the sentence-level warm start (documents only)."""
     if data_args.document_sentences == 1 or data_args.sentence_warmup_minutes == 0:
         return 0.0
+    if data_args.init_from and data_args.sentence_warmup_minutes < 0:
+        return 0.0  # the model it starts from translates sentences already
     if data_args.sentence_warmup_minutes < 0:
         return round(data_args.max_train_minutes / 3, 2) if data_args.max_train_minutes > 0 else 0.0
     return data_args.sentence_warmup_minutes
@@ -570,6 +588,8 @@ def main(argv=None):
     )
 
     model = build_model(model_args, tokenizer, max(max_source, max_target))
+    if data_args.init_from:
+        start_from(model, data_args.init_from, tokenizer)
     # saved with the model, so plain generate() after from_pretrained guards against repetition too
     model.generation_config.no_repeat_ngram_size = data_args.no_repeat_ngram_size or None
     n_params = sum(p.numel() for p in model.parameters())
@@ -598,8 +618,8 @@ def main(argv=None):
     else:
         train_collator = padded
     warm = warmup_minutes(data_args)
-    if warm > 0 and "--warmup_steps" not in (argv or sys.argv):
-        training_args.warmup_steps = 100  # the documents' optimizer starts fresh on a model that already translates
+    if (warm > 0 or data_args.init_from) and "--warmup_steps" not in (argv or sys.argv):
+        training_args.warmup_steps = 100  # the optimizer starts fresh on a model that already translates
     budget = seqpar_hf.TimeBudgetCallback(
         data_args.max_train_minutes - warm if data_args.max_train_minutes else 0, data_args.eval_every_minutes
     )

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import (
+    AutoTokenizer,
     LogitsProcessor,
     LogitsProcessorList,
     MarianConfig,
@@ -98,6 +99,46 @@ def build_model(model_args, tokenizer, max_length: int) -> MarianMTModel | T5For
     model.set_attn_implementation("sdpa")
     model.generation_config.bad_words_ids = [[tokenizer.pad_token_id]]  # never generate <pad> after the start
     return model
+
+
+def start_from(model, init_dir: str, tokenizer) -> None:
+    """--init_from: `model` (built from the flags) takes the weights of a model this recipe saved in `init_dir`,
+    e.g. the main command's sentence model before documents. Its vocabulary must be the first ids of
+    `tokenizer` (the same data and --vocab_size): the rows the documents add (the sentence markers) are drawn
+    at the scale of the saved rows, seeded. The position tables are fixed sinusoids, longer here, the same rows
+    where both have them. Any other shape that differs is an error naming the tensor (the model flags differ)."""
+    saved_tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    n = len(saved_tokenizer)
+    if n > len(tokenizer) or saved_tokenizer.convert_ids_to_tokens(list(range(n))) != tokenizer.convert_ids_to_tokens(
+        list(range(n))
+    ):
+        raise ValueError(
+            f"--init_from {init_dir}: its vocabulary ({n} tokens) is not the first ids of this run's ({len(tokenizer)}):"
+            " train both on the same data with the same --vocab_size and --lowercase"
+        )
+    saved = type(model).from_pretrained(init_dir, dtype=torch.float32)
+    embeddings = model.get_input_embeddings().weight
+    vocab_rows = {embeddings.data_ptr()}
+    with torch.no_grad():
+        grown = saved.get_input_embeddings().weight
+        extra = torch.randn(embeddings.shape[0] - n, grown.shape[1], generator=torch.Generator().manual_seed(0))
+        embeddings.copy_(torch.cat([grown, extra * grown.std()]))
+        target = model.state_dict()
+        for name, value in saved.state_dict().items():
+            here = target[name]
+            if "embed_positions" in name or here.data_ptr() in vocab_rows:
+                continue  # fixed sinusoids; the tied token embeddings, set above
+            if name == "final_logits_bias":
+                here.zero_()
+                here[:, :n] = value
+            elif here.shape != value.shape:
+                raise ValueError(
+                    f"--init_from {init_dir}: {name} is {tuple(value.shape)} there and {tuple(here.shape)} here: "
+                    "pass the model flags it was trained with (--d_model, --encoder_layers, ...)"
+                )
+            else:
+                here.copy_(value)
+    logger.info("weights from %s (%d of %d token rows)", init_dir, n, embeddings.shape[0])
 
 
 def _t5(model_args, tokenizer) -> T5ForConditionalGeneration:

@@ -79,6 +79,7 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--document_ramp", "none", "--document_ramp_mix", "true"],
         "--document_ramp_mix true: mixes the ramp's pieces, and there is no ramp",
     ),
+    "init_from no model": (["--init_from", "/nonexistent/run"], "--init_from /nonexistent/run: no saved model there"),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
     "vocab_size 3": (["--vocab_size", "3"], "--vocab_size 3: must be >= 4 (the shared BPE vocabulary: 3 special"),
@@ -415,6 +416,20 @@ def test_document_ramp_auto(recipes, tmp_path):
     ]
 
 
+def test_init_from_skips_the_sentence_warm_start_unless_given(recipes, tmp_path):
+    recipe = recipes["translation"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+
+    def minutes(*argv):
+        _, data_args, _ = _parsed(recipe, ["--document_sentences", "32", *argv], tmp_path)
+        return recipe.warmup_minutes(data_args)
+
+    assert minutes() == round(26 / 3, 2)
+    assert minutes("--init_from", str(tmp_path / "run")) == 0.0
+    assert minutes("--init_from", str(tmp_path / "run"), "--sentence_warmup_minutes", "3") == 3.0
+
+
 def test_bleu_figure_from_kept_summaries_with_a_baseline(tmp_path):
     """recipes/plot_bleu.py draws output_dirs and kept summaries (NAME.json) alike, a dashed line per --baseline,
     more runs than one palette's worth; a baseline that is not a number is refused with its value."""
@@ -472,3 +487,50 @@ def test_documents_decode_the_test_with_8_beams_unless_told(recipes, tmp_path):
     data_args, training_args = applied()
     assert data_args.test_num_beams == 4 and data_args.no_repeat_ngram_size == 3
     assert training_args.per_device_train_batch_size == 96
+
+
+# -- --init_from: documents start from a saved sentence model ------------------------------------------------------
+def test_init_from_takes_a_saved_sentence_model_into_documents(tmp_path):
+    """The document model built from the flags takes the sentence model's weights: the same logits over the shared
+    vocabulary for a sentence (its positions are the same sinusoids), the markers' rows new, distinct, at the
+    saved rows' scale; other model flags or another vocabulary are refused, naming what differs."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from recipes import translation_data
+    from recipes.translation_training import build_model, start_from
+
+    texts = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
+    sizes = SimpleNamespace(
+        d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32, dropout=0.0, attention_dropout=0.0
+    )
+    tokenizer = translation_data.train_tokenizer(texts, 60)
+    torch.manual_seed(0)
+    sentence = build_model(sizes, tokenizer, 24).eval()
+    sentence.save_pretrained(tmp_path / "sentences")
+    tokenizer.save_pretrained(tmp_path / "sentences")
+    documents_tokenizer = translation_data.add_markers(AutoTokenizer.from_pretrained(tmp_path / "sentences"), 4)
+    document = build_model(sizes, documents_tokenizer, 4 * 24).eval()
+    start_from(document, str(tmp_path / "sentences"), documents_tokenizer)
+
+    n = len(tokenizer)
+    rows = document.get_input_embeddings().weight
+    assert torch.equal(rows[:n], sentence.get_input_embeddings().weight)
+    new = rows[n:]
+    assert new.shape[0] == 4 and torch.isfinite(new).all() and len({tuple(r.tolist()) for r in new}) == 4
+    assert 0.5 < new.std().item() / rows[:n].std().item() < 2
+    batch = tokenizer(["the cat sat ."], return_tensors="pt")
+    labels = tokenizer(["le chat ."], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = sentence(**batch, labels=labels).logits
+        got = document(**batch, labels=labels).logits
+    torch.testing.assert_close(got[..., :n], expected, rtol=0, atol=1e-5)
+
+    wider = build_model(SimpleNamespace(**{**vars(sizes), "ffn_dim": 64}), documents_tokenizer, 96)
+    with pytest.raises(ValueError, match=r"--init_from .*: model\.encoder\.layers\.0\.fc1\.weight is \(32, 16\) there and"):
+        start_from(wider, str(tmp_path / "sentences"), documents_tokenizer)
+    other = translation_data.train_tokenizer(["completely other words here ."] * 8, 40)
+    with pytest.raises(ValueError, match=r"its vocabulary \(\d+ tokens\) is not the first ids of this run's"):
+        start_from(build_model(sizes, other, 24), str(tmp_path / "sentences"), other)
