@@ -74,7 +74,7 @@ def recipe_data(data_args: DataArguments):
 
 def test_data(data_cache_dir: str, n: int) -> SimpleNamespace:
     """The recipe's data for sentences (what a sentence model is tested on) and for documents of `n` (the document
-    mode's test documents; --mixed_documents false as the README's document command: only training changes),
+    mode's test documents; documents of N sentences as the README's document command: only training changes),
     checked to be the same: the sentence test joined per document gives the document test's texts and references.
     Fields: sentence_args, document_args, sentence_tokenizer, document_tokenizer, test, document_test, references."""
     sentence_args = DataArguments(data_cache_dir=data_cache_dir)

@@ -34,10 +34,9 @@ def label(summary: dict, run_dir: Path) -> str:
     parts = [f"sp={summary.get('sp_size', 1)}"]
     if summary.get("document_sentences", 1) > 1:
         command = summary.get("command", [])
-        fixed = "--mixed_documents" in command and command[command.index("--mixed_documents") + 1 :][:1] in (
-            ["false"],
-            ["False"],
-        )
+        given = command[command.index("--mixed_documents") + 1 :][:1] if "--mixed_documents" in command else []
+        # N sentences each: said so, or the default since 2026-12-05 (a summary with `mixed_documents` says which)
+        fixed = not summary["mixed_documents"] if "mixed_documents" in summary else given in ([], ["false"], ["False"])
         parts.append(
             f"documents of {'' if fixed else 'up to '}{summary['document_sentences']} sentences (document BLEU)"
         )

@@ -113,8 +113,8 @@ def start_from(model, init_dir: str, tokenizer) -> None:
         list(range(n))
     ):
         raise ValueError(
-            f"--init_from {init_dir}: its vocabulary ({n} tokens) is not the first ids of this run's ({len(tokenizer)}):"
-            " train both on the same data with the same --vocab_size and --lowercase"
+            f"--init_from {init_dir}: its vocabulary ({n} tokens) is not the first ids of this run's "
+            f"({len(tokenizer)}): train both on the same data with the same --vocab_size and --lowercase"
         )
     saved = type(model).from_pretrained(init_dir, dtype=torch.float32)
     embeddings = model.get_input_embeddings().weight

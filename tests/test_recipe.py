@@ -425,7 +425,7 @@ def test_init_from_skips_the_sentence_warm_start_unless_given(recipes, tmp_path)
         _, data_args, _ = _parsed(recipe, ["--document_sentences", "32", *argv], tmp_path)
         return recipe.warmup_minutes(data_args)
 
-    assert minutes() == round(26 / 3, 2)
+    assert minutes() == round(26 / 5, 2)
     assert minutes("--init_from", str(tmp_path / "run")) == 0.0
     assert minutes("--init_from", str(tmp_path / "run"), "--sentence_warmup_minutes", "3") == 3.0
 
@@ -503,9 +503,8 @@ def test_init_from_takes_a_saved_sentence_model_into_documents(tmp_path):
     from recipes.translation_training import build_model, start_from
 
     texts = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
-    sizes = SimpleNamespace(
-        d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32, dropout=0.0, attention_dropout=0.0
-    )
+    sizes = SimpleNamespace(d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32)
+    sizes.dropout = sizes.attention_dropout = 0.0
     tokenizer = translation_data.train_tokenizer(texts, 60)
     torch.manual_seed(0)
     sentence = build_model(sizes, tokenizer, 24).eval()
@@ -529,7 +528,8 @@ def test_init_from_takes_a_saved_sentence_model_into_documents(tmp_path):
     torch.testing.assert_close(got[..., :n], expected, rtol=0, atol=1e-5)
 
     wider = build_model(SimpleNamespace(**{**vars(sizes), "ffn_dim": 64}), documents_tokenizer, 96)
-    with pytest.raises(ValueError, match=r"--init_from .*: model\.encoder\.layers\.0\.fc1\.weight is \(32, 16\) there and"):
+    fc1 = r"--init_from .*: model\.encoder\.layers\.0\.fc1\.weight is \(32, 16\) there and \(64, 16\) here"
+    with pytest.raises(ValueError, match=fc1):
         start_from(wider, str(tmp_path / "sentences"), documents_tokenizer)
     other = translation_data.train_tokenizer(["completely other words here ."] * 8, 40)
     with pytest.raises(ValueError, match=r"its vocabulary \(\d+ tokens\) is not the first ids of this run's"):
