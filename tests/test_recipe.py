@@ -487,6 +487,22 @@ def test_documents_decode_the_test_with_8_beams_unless_told(recipes, tmp_path):
     data_args, training_args = applied()
     assert data_args.test_num_beams == 4 and data_args.no_repeat_ngram_size == 3
     assert training_args.per_device_train_batch_size == 96
+    # documents of N sentences by default (3 of 32 per step); 1 to N with --mixed_documents (6 of 16.5 on average)
+    assert applied("--document_sentences", "32")[1].per_device_train_batch_size == 3
+    assert applied("--document_sentences", "32", "--mixed_documents", "true")[1].per_device_train_batch_size == 6
+
+
+def test_bleu_figure_labels_documents_fixed_or_mixed():
+    """A summary says whether its documents were mixed; older ones say it by the command (unset: N each now)."""
+    from recipes import plot_bleu
+
+    def label(**summary):
+        return plot_bleu.label({"document_sentences": 32, **summary}, Path("run.json"))
+
+    assert "documents of 32 sentences" in label(mixed_documents=False)
+    assert "documents of up to 32 sentences" in label(mixed_documents=True, command=["--mixed_documents", "false"])
+    assert "documents of 32 sentences" in label(command=["--document_sentences", "32"])
+    assert "documents of up to 32 sentences" in label(command=["--mixed_documents", "true"])
 
 
 # -- --init_from: documents start from a saved sentence model ------------------------------------------------------
