@@ -54,6 +54,7 @@ from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
 if __package__:  # imported as recipes.train_translation (tests, benchmarks)
     from . import recipe_checks, translation_data
+    from .sentence_positions import SentencePositions
     from .translation_training import (
         BudgetTrainer,
         DocumentRamp,
@@ -71,6 +72,7 @@ if __package__:  # imported as recipes.train_translation (tests, benchmarks)
 else:  # launched as a script: its folder is on sys.path
     import recipe_checks
     import translation_data
+    from sentence_positions import SentencePositions
     from translation_training import (
         BudgetTrainer,
         DocumentRamp,
@@ -159,6 +161,15 @@ class DataArguments:
             "tokens; generation writes the markers in order, one per source sentence. Dropped from the output "
             "text. Test document BLEU 31.52-34.82 with them, 24.53-25.90 without, under the defaults before 2026-12-04 "
             "(52.95 with them under the present ones; recipes/README.md)."
+        },
+    )
+    sentence_positions: bool = field(
+        default=False,
+        metadata={
+            "help": "With --document_sentences N and the markers, one process: the tokens of sentence k of a document "
+            "at k x 80 + their offset in the sentence on both sides, instead of their index in the document, so a "
+            "target sentence and its source sentence sit at the same positions, as in a sentence pair "
+            "(recipes/sentence_positions.py; installed after the sentence warm start)."
         },
     )
     sentence_separator: bool = field(
@@ -382,6 +393,17 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
         raise ValueError(
             "--sentence_separator and --sentence_markers (on by default) both mark the sentences of "
             "a document: choose one (--sentence_markers false for <sep>)"
+        )
+    if d.sentence_positions and (d.document_sentences == 1 or not d.sentence_markers):
+        raise ValueError(
+            "--sentence_positions: places the sentences of a document by their markers; it needs "
+            "--document_sentences N > 1 and --sentence_markers true"
+        )
+    if d.sentence_positions and (training_args.sp_size > 1 or training_args.tp_size > 1):
+        raise ValueError(
+            f"--sentence_positions: one process only for now (--sp_size {training_args.sp_size}, --tp_size "
+            f"{training_args.tp_size}): its positions are computed on the whole sequence of the rank; run "
+            "`accelerate launch --num_processes 1`"
         )
     pack = packed_row_tokens(d)
     if pack and d.document_sentences > 1:
@@ -662,6 +684,11 @@ def main(argv=None):
         trainer.train_steps_before = sentence_warm_start(
             model, tokenizer, splits["train_sentences"], training_args, warm
         )
+    if data_args.sentence_positions:  # after the warm start: its sentences keep their plain positions
+        markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
+        stride = (model.config.max_position_embeddings - 2) // docs
+        SentencePositions(model, markers, stride)
+        logger.info("sentence positions: sentence k of a document at k x %d + its offset, both sides", stride)
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)
 

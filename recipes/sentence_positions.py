@@ -1,0 +1,130 @@
+"""Sentence-aligned positions for the document model (`--sentence_positions`, one process): the tokens of sentence k
+of a document (k counted by its numbered markers, from 0) sit at k x stride + their offset in the sentence, on both
+sides, instead of their index in the whole document.
+
+Why: with absolute sinusoidal positions this model aligns a target token with source tokens by position. In a
+document the two sides drift apart (French runs longer), so sentence k starts at different positions on the two
+sides and the model has to learn to align by the markers over hundreds of tokens; a sentence model never had to.
+Aligned this way, the decoder writing word j of sentence k sits where word j of source sentence k sits, as in a
+sentence pair, and the gap between sentences is the same on both sides.
+
+    source   <s1> w w w  <s2> w w ...      positions 0 1 2 3   S S+1 S+2 ...
+    decoder  start <s1> w w w <s2> w ...   positions 0 1 2 3 4 S+1 S+2 ...
+
+A decoder input sits one position later than the same source token: the decoder input at position q predicts the
+target token whose source counterpart is at q (as in a sentence pair, where the start token at 0 predicts the first
+word, source position 0). Offsets past the stride are clamped (the stride is the position table over the document
+sentences: 80 tokens with the recipe's lengths). Rows without markers keep their plain positions.
+
+Marian takes no position ids, so the positions go in by hooks: one on the model's forward and one on its encoder (the
+full ids of a forward; generate runs the encoder alone), one on each position table (they replace the ids it is
+given), and generation's `prepare_inputs_for_generation`, which sees each beam's whole history (a decoding step's
+forward sees only its last token). Installed after the model is patched, the hooks run after the library's and
+need the whole sequence on the rank: one process only (the flag is refused with --sp_size > 1). A saved model keeps
+`sentence_position_stride` in its config; `install_from_config` puts the hooks back after `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+if __package__:  # imported as recipes.sentence_positions (tests)
+    from .translation_data import marker
+else:  # a script's sibling
+    from translation_data import marker
+
+
+def sentence_positions(ids: torch.Tensor, markers: torch.Tensor, stride: int, decoder: bool, sentences: int):
+    """[b, T] positions of the tokens `ids` [b, T]: k x stride + offset within sentence k (the decoder's one
+    later); tokens before the first marker (the decoder's start token, or a row without markers) count from 0."""
+    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    is_marker = torch.isin(ids, markers.to(ids.device))
+    seen = is_marker.long().cumsum(-1)  # markers up to and including this token
+    last = torch.where(is_marker, index, torch.full_like(index, -1)).cummax(-1).values
+    k = (seen - 1).clamp(0, sentences - 1)
+    within = (index - last + int(decoder)).clamp(max=stride - 1)
+    return torch.where(seen > 0, k * stride + within, index)
+
+
+class SentencePositions:
+    """The hooks (see the module's docstring). `stride` x `sentences` must fit the model's position tables."""
+
+    def __init__(self, model, marker_ids: list[int], stride: int):
+        rows = model.config.max_position_embeddings
+        if stride * len(marker_ids) > rows:
+            raise ValueError(
+                f"--sentence_positions: {len(marker_ids)} sentences x stride {stride} = "
+                f"{stride * len(marker_ids)} positions, more than the model's table of {rows}"
+            )
+        self.markers, self.stride, self.sentences = torch.tensor(marker_ids), stride, len(marker_ids)
+        self.current: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}
+        self.pending: torch.Tensor | None = None  # generation: this step's decoder positions
+        model.config.sentence_position_stride = stride
+        backbone = model.get_encoder(), model.get_decoder()
+        self.handles = [
+            model.register_forward_pre_hook(self._model, with_kwargs=True),
+            backbone[0].register_forward_pre_hook(self._encoder, with_kwargs=True),
+            backbone[0].embed_positions.register_forward_pre_hook(self._table("encoder"), with_kwargs=True),
+            backbone[1].embed_positions.register_forward_pre_hook(self._table("decoder"), with_kwargs=True),
+        ]
+        original = model.prepare_inputs_for_generation
+
+        def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+            inputs = original(input_ids, *args, **kwargs)
+            step = inputs.get("decoder_input_ids")
+            if step is not None:  # the beams' whole histories -> the positions of the tokens this step feeds
+                self.pending = self.positions(input_ids, decoder=True)[:, -step.shape[1] :]
+            return inputs
+
+        model.prepare_inputs_for_generation = prepare_inputs_for_generation
+        self.model = model
+
+    def positions(self, ids: torch.Tensor, decoder: bool) -> torch.Tensor:
+        return sentence_positions(ids, self.markers, self.stride, decoder, self.sentences)
+
+    def _model(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.current["encoder"] = self.positions(ids, decoder=False)
+        if self.pending is not None:
+            self.current["decoder"], self.pending = self.pending, None
+            return None
+        dec = kwargs.get("decoder_input_ids")
+        if dec is None and kwargs.get("labels") is not None:
+            dec = module.prepare_decoder_input_ids_from_labels(labels=kwargs["labels"])
+        self.current["decoder"] = None if dec is None else self.positions(dec, decoder=True)
+        return None
+
+    def _encoder(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.current["encoder"] = self.positions(ids, decoder=False)
+        return None
+
+    def _table(self, side: str):
+        def hook(module, args, kwargs):
+            positions = self.current[side]
+            if positions is None:
+                return None
+            shape = tuple(args[0]) if args else tuple(kwargs["input_ids_shape"])
+            if tuple(positions.shape) != shape[:2]:
+                raise RuntimeError(
+                    f"--sentence_positions: the {side}'s positions are {tuple(positions.shape)} for a forward of "
+                    f"{shape[:2]} tokens (the whole sequence must be on this rank: one process only)"
+                )
+            kwargs["position_ids"] = positions
+            return args, kwargs
+
+        return hook
+
+
+def install_from_config(model, tokenizer) -> SentencePositions | None:
+    """The hooks of a saved document model trained with --sentence_positions (after `from_pretrained`)."""
+    stride = getattr(model.config, "sentence_position_stride", None)
+    if not stride:
+        return None
+    ids, k = [], 1
+    while tokenizer.convert_tokens_to_ids(marker(k)) not in (None, tokenizer.unk_token_id):
+        ids.append(tokenizer.convert_tokens_to_ids(marker(k)))
+        k += 1
+    return SentencePositions(model, ids, stride)
