@@ -32,11 +32,13 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 if __package__:  # imported as recipes.document_positions (tests)
     from . import document_baseline as db
     from . import translation_data
+    from .sentence_positions import install_from_config
     from .train_translation import DEFAULT_BATCH, DOCUMENT_TEST_BEAMS, DataArguments
     from .translation_training import bleu_metric, choose_precision, use_the_cores
 else:  # launched as a script: its folder is on sys.path
     import document_baseline as db
     import translation_data
+    from sentence_positions import install_from_config
     from train_translation import DEFAULT_BATCH, DOCUMENT_TEST_BEAMS, DataArguments
     from translation_training import bleu_metric, choose_precision, use_the_cores
 
@@ -123,6 +125,7 @@ def main(argv=None) -> dict:
     if translation_data.tokenizer_digest(tokenizer) != translation_data.tokenizer_digest(document_tokenizer):
         raise SystemExit(f"{args.model}: not the tokenizer of the recipe's documents of {n} ({args.data_cache_dir})")
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    install_from_config(model, tokenizer)  # a model trained with --sentence_positions gets its positions back
     print(f"translating {len(document_test)} test documents with {args.model}: beam {args.num_beams}, {precision}")
     document_args.no_repeat_ngram_size = 0  # as the recipe's documents: a document repeats 3-grams
     ids, seconds = db.translate(

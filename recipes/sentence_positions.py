@@ -34,16 +34,24 @@ else:  # a script's sibling
     from translation_data import marker
 
 
-def sentence_positions(ids: torch.Tensor, markers: torch.Tensor, stride: int, decoder: bool, sentences: int):
-    """[b, T] positions of the tokens `ids` [b, T]: k x stride + offset within sentence k (the decoder's one
-    later); tokens before the first marker (the decoder's start token, or a row without markers) count from 0."""
+def sentence_positions(
+    ids: torch.Tensor, markers: torch.Tensor, stride: int, decoder: bool, given: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[b, T] positions of the tokens `ids` [b, T]: k x stride + offset after the marker of sentence k (<s{k+1}>;
+    the decoder's one later). `given`: the row's own positions, restarting at 0 for each pair of a packed row
+    (the warm start's sentences, each after a marker drawn at random: their slot is their marker's); tokens with
+    no marker before them in their pair (the decoder's start token, a row without markers) keep those."""
     index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
-    is_marker = torch.isin(ids, markers.to(ids.device))
-    seen = is_marker.long().cumsum(-1)  # markers up to and including this token
+    given = index if given is None else given.expand_as(ids)
+    markers = markers.to(ids.device)
+    is_marker = torch.isin(ids, markers)
+    slot = (ids.unsqueeze(-1) == markers).long().argmax(-1)  # which marker (0 for the other tokens)
     last = torch.where(is_marker, index, torch.full_like(index, -1)).cummax(-1).values
-    k = (seen - 1).clamp(0, sentences - 1)
+    pair_start = torch.where(given == 0, index, torch.zeros_like(index)).cummax(-1).values
+    placed = last >= pair_start  # a marker before this token (or it) in its pair
+    k = slot.gather(-1, last.clamp(min=0))
     within = (index - last + int(decoder)).clamp(max=stride - 1)
-    return torch.where(seen > 0, k * stride + within, index)
+    return torch.where(placed, k * stride + within, given)
 
 
 class SentencePositions:
@@ -56,13 +64,15 @@ class SentencePositions:
                 f"--sentence_positions: {len(marker_ids)} sentences x stride {stride} = "
                 f"{stride * len(marker_ids)} positions, more than the model's table of {rows}"
             )
-        self.markers, self.stride, self.sentences = torch.tensor(marker_ids), stride, len(marker_ids)
+        self.markers, self.stride = torch.tensor(marker_ids), stride
         self.current: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}
         self.pending: torch.Tensor | None = None  # generation: this step's decoder positions
+        self.inside = False  # in the model's forward, whose hook saw the whole inputs (and packed rows' positions)
         model.config.sentence_position_stride = stride
         backbone = model.get_encoder(), model.get_decoder()
         self.handles = [
             model.register_forward_pre_hook(self._model, with_kwargs=True),
+            model.register_forward_hook(self._left, always_call=True),
             backbone[0].register_forward_pre_hook(self._encoder, with_kwargs=True),
             backbone[0].embed_positions.register_forward_pre_hook(self._table("encoder"), with_kwargs=True),
             backbone[1].embed_positions.register_forward_pre_hook(self._table("decoder"), with_kwargs=True),
@@ -79,25 +89,29 @@ class SentencePositions:
         model.prepare_inputs_for_generation = prepare_inputs_for_generation
         self.model = model
 
-    def positions(self, ids: torch.Tensor, decoder: bool) -> torch.Tensor:
-        return sentence_positions(ids, self.markers, self.stride, decoder, self.sentences)
+    def positions(self, ids: torch.Tensor, decoder: bool, given: torch.Tensor | None = None) -> torch.Tensor:
+        return sentence_positions(ids, self.markers, self.stride, decoder, given)
+
+    def _left(self, module, args, output):
+        self.inside = False
 
     def _model(self, module, args, kwargs):
+        self.inside = True
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:
-            self.current["encoder"] = self.positions(ids, decoder=False)
+        if ids is not None:  # packed rows (the warm start) come with their pairs' positions
+            self.current["encoder"] = self.positions(ids, False, kwargs.get("position_ids"))
         if self.pending is not None:
             self.current["decoder"], self.pending = self.pending, None
             return None
         dec = kwargs.get("decoder_input_ids")
         if dec is None and kwargs.get("labels") is not None:
             dec = module.prepare_decoder_input_ids_from_labels(labels=kwargs["labels"])
-        self.current["decoder"] = None if dec is None else self.positions(dec, decoder=True)
+        self.current["decoder"] = None if dec is None else self.positions(dec, True, kwargs.get("decoder_position_ids"))
         return None
 
     def _encoder(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:
+        if ids is not None and not self.inside:  # generate runs the encoder alone
             self.current["encoder"] = self.positions(ids, decoder=False)
         return None
 

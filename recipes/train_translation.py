@@ -680,15 +680,15 @@ def main(argv=None):
         documents_per_step = training_args.per_device_train_batch_size
         trainer.split_rows = lambda batch: batch["labels"].shape[0] > documents_per_step
 
-    if warm > 0:
-        trainer.train_steps_before = sentence_warm_start(
-            model, tokenizer, splits["train_sentences"], training_args, warm
-        )
-    if data_args.sentence_positions:  # after the warm start: its sentences keep their plain positions
+    if data_args.sentence_positions:  # before the warm start: its sentences sit at their random marker's slot
         markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
         stride = (model.config.max_position_embeddings - 2) // docs
         SentencePositions(model, markers, stride)
         logger.info("sentence positions: sentence k of a document at k x %d + its offset, both sides", stride)
+    if warm > 0:
+        trainer.train_steps_before = sentence_warm_start(
+            model, tokenizer, splits["train_sentences"], training_args, warm
+        )
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)
 

@@ -79,6 +79,18 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--document_ramp", "none", "--document_ramp_mix", "true"],
         "--document_ramp_mix true: mixes the ramp's pieces, and there is no ramp",
     ),
+    "sentence_positions sentences": (
+        ["--sentence_positions", "true"],
+        "--sentence_positions: places the sentences of a document by their markers; it needs --document_sentences",
+    ),
+    "sentence_positions no markers": (
+        ["--document_sentences", "8", "--sentence_positions", "true", "--sentence_markers", "false"],
+        "--sentence_positions: places the sentences of a document by their markers",
+    ),
+    "sentence_positions sp": (
+        ["--document_sentences", "8", "--sentence_positions", "true", "--sp_size", "2"],
+        "--sentence_positions: one process only for now (--sp_size 2, --tp_size 1)",
+    ),
     "init_from no model": (["--init_from", "/nonexistent/run"], "--init_from /nonexistent/run: no saved model there"),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),

@@ -1,0 +1,141 @@
+"""--sentence_positions (recipes/sentence_positions.py): sentence k of a document at k x stride + its offset on both
+sides. The hooked model's generation must see the positions its training forward sees (a decoding step's forward
+sees one token; the positions come from each beam's history), rows without markers keep their plain positions,
+and a saved model gets its hooks back from its config."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LogitsProcessor, MarianMTModel
+
+from recipes import translation_data
+from recipes.sentence_positions import SentencePositions, install_from_config, sentence_positions
+from recipes.translation_training import build_model
+
+MARKERS = torch.tensor([50, 51, 52, 53])
+
+
+class ForceAt(LogitsProcessor):
+    """Only `token` once the rows hold `length` tokens (a marker where the tiny model would write none)."""
+
+    def __init__(self, length: int, token: int):
+        self.length, self.token = length, token
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] != self.length:
+            return scores
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.token] = scores[:, self.token]
+        return forced
+
+
+def test_the_positions_of_sentences_on_both_sides():
+    source = torch.tensor([[50, 5, 6, 7, 51, 8, 9, 52, 10, 1, 0, 0]])
+    assert sentence_positions(source, MARKERS, 10, False).tolist() == [[0, 1, 2, 3, 10, 11, 12, 20, 21, 22, 23, 24]]
+    # the decoder's inputs: the start token at 0, each marker one later than its source's (it predicts the first word)
+    decoder = torch.tensor([[0, 50, 5, 6, 51, 8, 9, 9, 52, 10]])
+    assert sentence_positions(decoder, MARKERS, 10, True).tolist() == [[0, 1, 2, 3, 11, 12, 13, 14, 21, 22]]
+    # offsets past the stride are clamped; rows without markers keep their index
+    long = torch.tensor([[50] + [5] * 6])
+    assert sentence_positions(long, MARKERS, 4, False).tolist() == [[0, 1, 2, 3, 3, 3, 3]]
+    assert sentence_positions(torch.tensor([[5, 6, 7]]), MARKERS, 4, False).tolist() == [[0, 1, 2]]
+    # packed rows (the warm start): each pair at its own marker's slot, from the positions that restart per pair
+    packed = torch.tensor([[52, 5, 6, 1, 50, 7, 1, 8, 9, 1]])
+    given = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    assert sentence_positions(packed, MARKERS, 10, False, given).tolist() == [[20, 21, 22, 23, 0, 1, 2, 0, 1, 2]]
+    packed = torch.tensor([[0, 53, 5, 6, 0, 51, 7, 0, 8]])
+    given = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
+    assert sentence_positions(packed, MARKERS, 10, True, given).tolist() == [[0, 31, 32, 33, 0, 11, 12, 0, 1]]
+
+
+@pytest.fixture(scope="module")
+def document_model():
+    texts = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
+    tokenizer = translation_data.add_markers(translation_data.train_tokenizer(texts, 60), 4)
+    sizes = SimpleNamespace(d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32)
+    sizes.dropout = sizes.attention_dropout = 0.0
+    torch.manual_seed(0)
+    model = build_model(sizes, tokenizer, 4 * 20).eval()
+    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
+    source = tokenizer(
+        [" ".join(f"{translation_data.marker(k + 1)} {s}" for k, s in enumerate(texts[:3])), "the cat sat ."],
+        return_tensors="pt",
+        padding=True,
+    )
+    return model, tokenizer, markers, source
+
+
+def _scores(model, source, sequences):
+    with torch.no_grad():
+        logits = model(**source, decoder_input_ids=sequences[:, :-1]).logits
+    return torch.log_softmax(logits.float(), -1).gather(2, sequences[:, 1:, None]).squeeze(-1)
+
+
+def test_generation_sees_the_positions_training_sees(document_model):
+    model, tokenizer, markers, source = document_model
+    with torch.no_grad():
+        plain = model(**source, decoder_input_ids=torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)).logits
+    hooks = SentencePositions(model, markers, 20)
+    try:
+        with torch.no_grad():
+            aligned = model(**source, decoder_input_ids=torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)).logits
+        assert not torch.allclose(aligned[0], plain[0])  # the document row's positions changed
+        torch.testing.assert_close(aligned[1, :1], plain[1, :1])  # the plain sentence's did not (before a marker)
+
+        # a prompt with two sentences begun, the third marker forced at the 7th token: greedy with the cache against
+        # a full forward per token (the training path's positions)
+        prompt = torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)
+        third = ForceAt(6, markers[2])
+        kwargs = {"forced_eos_token_id": None, "max_new_tokens": 10, "min_new_tokens": 10, "logits_processor": [third]}
+        out = model.generate(**source, decoder_input_ids=prompt, num_beams=1, do_sample=False, **kwargs)
+        ids = prompt
+        for _ in range(10):
+            with torch.no_grad():
+                logits = model(**source, decoder_input_ids=ids).logits[:, -1]
+            logits[:, tokenizer.eos_token_id] = float("-inf")
+            ids = torch.cat([ids, third(ids, logits).argmax(-1, keepdim=True)], 1)
+        assert torch.equal(out, ids) and bool((out[:, 6] == markers[2]).all())
+
+        # beam search: each kept beam's score is what the full forward gives its tokens (the beams reorder)
+        beams = model.generate(
+            **source,
+            decoder_input_ids=prompt,
+            num_beams=3,
+            length_penalty=0.0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+        scores = _scores(model, source, beams.sequences)[:, prompt.shape[1] - 1 :].sum(-1)
+        torch.testing.assert_close(scores, beams.sequences_scores, atol=1e-4, rtol=0)
+    finally:
+        for handle in hooks.handles:
+            handle.remove()
+
+
+def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
+    model, tokenizer, markers, source = document_model
+
+    decoder = torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)
+    hooks = SentencePositions(model, markers, 20)
+    try:
+        with torch.no_grad():
+            expected = model(**source, decoder_input_ids=decoder).logits
+        model.save_pretrained(tmp_path)
+    finally:
+        for handle in hooks.handles:
+            handle.remove()
+    loaded = MarianMTModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.sentence_position_stride == 20
+    assert install_from_config(loaded, tokenizer) is not None
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**source, decoder_input_ids=decoder).logits, expected)
+
+
+def test_sentences_past_the_position_table_are_refused(document_model):
+    model, _, markers, _ = document_model
+    with pytest.raises(ValueError, match=r"--sentence_positions: 4 sentences x stride 21 = 84 positions, more than"):
+        SentencePositions(model, markers, 21)
