@@ -74,20 +74,17 @@ class SentencePositions:
             model.register_forward_pre_hook(self._model, with_kwargs=True),
             model.register_forward_hook(self._left, always_call=True),
             backbone[0].register_forward_pre_hook(self._encoder, with_kwargs=True),
-            backbone[0].embed_positions.register_forward_pre_hook(self._table("encoder"), with_kwargs=True),
-            backbone[1].embed_positions.register_forward_pre_hook(self._table("decoder"), with_kwargs=True),
+            backbone[0].embed_positions.register_forward_pre_hook(self._encoder_table, with_kwargs=True),
+            backbone[1].embed_positions.register_forward_pre_hook(self._decoder_table, with_kwargs=True),
         ]
-        original = model.prepare_inputs_for_generation
-
-        def prepare_inputs_for_generation(input_ids, *args, **kwargs):
-            inputs = original(input_ids, *args, **kwargs)
-            step = inputs.get("decoder_input_ids")
-            if step is not None:  # the beams' whole histories -> the positions of the tokens this step feeds
-                self.pending = self.positions(input_ids, decoder=True)[:, -step.shape[1] :]
-            return inputs
-
-        model.prepare_inputs_for_generation = prepare_inputs_for_generation
+        model.prepare_inputs_for_generation = _Prepare(self, model.prepare_inputs_for_generation)
         self.model = model
+
+    def remove(self) -> None:
+        """The model's plain positions back."""
+        for handle in self.handles:
+            handle.remove()
+        self.model.__dict__.pop("prepare_inputs_for_generation", None)
 
     def positions(self, ids: torch.Tensor, decoder: bool, given: torch.Tensor | None = None) -> torch.Tensor:
         return sentence_positions(ids, self.markers, self.stride, decoder, given)
@@ -115,21 +112,40 @@ class SentencePositions:
             self.current["encoder"] = self.positions(ids, decoder=False)
         return None
 
-    def _table(self, side: str):
-        def hook(module, args, kwargs):
-            positions = self.current[side]
-            if positions is None:
-                return None
-            shape = tuple(args[0]) if args else tuple(kwargs["input_ids_shape"])
-            if tuple(positions.shape) != shape[:2]:
-                raise RuntimeError(
-                    f"--sentence_positions: the {side}'s positions are {tuple(positions.shape)} for a forward of "
-                    f"{shape[:2]} tokens (the whole sequence must be on this rank: one process only)"
-                )
-            kwargs["position_ids"] = positions
-            return args, kwargs
+    def _encoder_table(self, module, args, kwargs):
+        return self._table("encoder", args, kwargs)
 
-        return hook
+    def _decoder_table(self, module, args, kwargs):
+        return self._table("decoder", args, kwargs)
+
+    def _table(self, side: str, args, kwargs):
+        positions = self.current[side]
+        if positions is None:
+            return None
+        shape = tuple(args[0]) if args else tuple(kwargs["input_ids_shape"])
+        if tuple(positions.shape) != shape[:2]:
+            raise RuntimeError(
+                f"--sentence_positions: the {side}'s positions are {tuple(positions.shape)} for a forward of "
+                f"{shape[:2]} tokens (the whole sequence must be on this rank: one process only)"
+            )
+        kwargs["position_ids"] = positions
+        return args, kwargs
+
+
+class _Prepare:
+    """The model's `prepare_inputs_for_generation`, which also keeps the positions of the tokens each decoding step
+    feeds, from the beams' whole histories. Hooks and this are bound objects, not closures, so a deep copy of
+    the model (a plain copy for generation) gets hooks of its own."""
+
+    def __init__(self, positions: SentencePositions, original):
+        self.positions, self.original = positions, original
+
+    def __call__(self, input_ids, *args, **kwargs):
+        inputs = self.original(input_ids, *args, **kwargs)
+        step = inputs.get("decoder_input_ids")
+        if step is not None:
+            self.positions.pending = self.positions.positions(input_ids, decoder=True)[:, -step.shape[1] :]
+        return inputs
 
 
 def install_from_config(model, tokenizer) -> SentencePositions | None:

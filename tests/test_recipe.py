@@ -79,17 +79,14 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--document_ramp", "none", "--document_ramp_mix", "true"],
         "--document_ramp_mix true: mixes the ramp's pieces, and there is no ramp",
     ),
+    "sentence_positions yes": (["--sentence_positions", "yes"], "--sentence_positions yes: auto, true or false"),
     "sentence_positions sentences": (
         ["--sentence_positions", "true"],
-        "--sentence_positions: places the sentences of a document by their markers; it needs --document_sentences",
+        "--sentence_positions true: places the sentences of a document by their markers; it needs --document_sentences",
     ),
     "sentence_positions no markers": (
         ["--document_sentences", "8", "--sentence_positions", "true", "--sentence_markers", "false"],
-        "--sentence_positions: places the sentences of a document by their markers",
-    ),
-    "sentence_positions sp": (
-        ["--document_sentences", "8", "--sentence_positions", "true", "--sp_size", "2"],
-        "--sentence_positions: one process only for now (--sp_size 2, --tp_size 1)",
+        "--sentence_positions true: places the sentences of a document by their markers",
     ),
     "init_from no model": (["--init_from", "/nonexistent/run"], "--init_from /nonexistent/run: no saved model there"),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
@@ -426,6 +423,30 @@ def test_document_ramp_auto(recipes, tmp_path):
     assert steps("--document_sentences", "32", "--document_ramp", "64", "--document_ramp_fraction", "0.5") == [
         (0.5, 64)
     ]
+
+
+def test_sentence_positions_auto_in_one_process_with_documents_and_markers(recipes, tmp_path):
+    """auto: on for documents with markers in one process, off under SP; true under SP is refused (the positions
+    are computed on the whole sequence of the rank)."""
+    from types import SimpleNamespace
+
+    recipe = recipes["translation"]
+
+    def used(*argv, sp=1):
+        _, data_args, training_args = _parsed(recipe, list(argv), tmp_path)
+        recipe.check_args(*_parsed(recipe, list(argv), tmp_path))
+        training_args = SimpleNamespace(sp_size=sp, tp_size=1)  # sp > 1 needs its processes to parse
+        recipe.check_sentence_positions(data_args, training_args)
+        return recipe.uses_sentence_positions(data_args, training_args)
+
+    assert used("--document_sentences", "32")
+    assert not used()  # sentences
+    assert not used("--document_sentences", "32", sp=2)  # off under SP
+    with pytest.raises(ValueError, match=r"^--sentence_positions true: one process only for now \(--sp_size 2, --tp"):
+        used("--document_sentences", "32", "--sentence_positions", "true", sp=2)
+    assert not used("--document_sentences", "32", "--sentence_markers", "false")
+    assert not used("--document_sentences", "32", "--sentence_positions", "false")
+    assert used("--document_sentences", "4", "--sentence_positions", "true")
 
 
 def test_init_from_skips_the_sentence_warm_start_unless_given(recipes, tmp_path):

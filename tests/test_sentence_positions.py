@@ -112,8 +112,34 @@ def test_generation_sees_the_positions_training_sees(document_model):
         scores = _scores(model, source, beams.sequences)[:, prompt.shape[1] - 1 :].sum(-1)
         torch.testing.assert_close(scores, beams.sequences_scores, atol=1e-4, rtol=0)
     finally:
-        for handle in hooks.handles:
-            handle.remove()
+        hooks.remove()
+
+
+def test_a_deep_copy_keeps_positions_of_its_own(document_model):
+    """The trainer may generate with a copy: its hooks and generation wrapper act on the copy's state (greedy with
+    the cache against a full forward per token, on the copy alone)."""
+    import copy
+
+    model, tokenizer, markers, source = document_model
+    hooks = SentencePositions(model, markers, 20)
+    try:
+        twin = copy.deepcopy(model)
+    finally:
+        hooks.remove()
+    prompt = torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)
+    out = twin.generate(
+        **source, decoder_input_ids=prompt, forced_eos_token_id=None, max_new_tokens=6, min_new_tokens=6, num_beams=1
+    )
+    ids = prompt
+    for _ in range(6):
+        with torch.no_grad():
+            logits = twin(**source, decoder_input_ids=ids).logits[:, -1]
+        logits[:, tokenizer.eos_token_id] = float("-inf")
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ids)
+    with torch.no_grad():  # and the copy's positions are the sentences' (the original's are plain again)
+        aligned, plain = (m(**source, decoder_input_ids=ids).logits for m in (twin, model))
+        assert not torch.allclose(aligned, plain)
 
 
 def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
@@ -126,8 +152,7 @@ def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
             expected = model(**source, decoder_input_ids=decoder).logits
         model.save_pretrained(tmp_path)
     finally:
-        for handle in hooks.handles:
-            handle.remove()
+        hooks.remove()
     loaded = MarianMTModel.from_pretrained(tmp_path).eval()
     assert loaded.config.sentence_position_stride == 20
     assert install_from_config(loaded, tokenizer) is not None
