@@ -1,4 +1,4 @@
-"""Sentence-aligned positions for the document model (`--sentence_positions`, one process): the tokens of sentence k
+"""Sentence-aligned positions for the document model (`--sentence_positions`): the tokens of sentence k
 of a document (k counted by its numbered markers, from 0) sit at k x stride + their offset in the sentence, on both
 sides, instead of their index in the whole document.
 
@@ -16,12 +16,14 @@ target token whose source counterpart is at q (as in a sentence pair, where the 
 word, source position 0). Offsets past the stride are clamped (the stride is the position table over the document
 sentences: 80 tokens with the recipe's lengths). Rows without markers keep their plain positions.
 
-Marian takes no position ids, so the positions go in by hooks: one on the model's forward and one on its encoder (the
-full ids of a forward; generate runs the encoder alone), one on each position table (they replace the ids it is
-given), and generation's `prepare_inputs_for_generation`, which sees each beam's whole history (a decoding step's
-forward sees only its last token). Installed after the model is patched, the hooks run after the library's and
-need the whole sequence on the rank: one process only (the flag is refused with --sp_size > 1). A saved model keeps
-`sentence_position_stride` in its config; `install_from_config` puts the hooks back after `from_pretrained`.
+Marian takes no position ids, so the positions go in by hooks: on the model's forward (which sees the whole batch,
+on every rank: the tables of the whole sequences), on its encoder (called alone by generate in one process), on each
+position table (it gets the rows of the table at the indices it is given: this rank's shard of the sequence under SP,
+the library's hook having run first), and generation's `generate` (the whole source, before the library shards it)
+and `prepare_inputs_for_generation` (each beam's whole history: a decoding step's forward sees its last token only).
+Install them after `patch_model` (the recipe does, after its Trainer); under SP the loss, gradients and generated
+tokens are one process's (tests/test_sentence_positions.py). A saved model keeps `sentence_position_stride` in its
+config; `install_from_config` puts the hooks back after `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class SentencePositions:
         self.current: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}
         self.pending: torch.Tensor | None = None  # generation: this step's decoder positions
         self.inside = False  # in the model's forward, whose hook saw the whole inputs (and packed rows' positions)
+        self.step = False  # that forward is a decoding step: the decoder's positions are its own tokens'
+        self.generating = False  # in generate, whose wrapper placed the whole source (the encoder may get a shard)
         model.config.sentence_position_stride = stride
         backbone = model.get_encoder(), model.get_decoder()
         self.handles = [
@@ -78,6 +82,7 @@ class SentencePositions:
             backbone[1].embed_positions.register_forward_pre_hook(self._decoder_table, with_kwargs=True),
         ]
         model.prepare_inputs_for_generation = _Prepare(self, model.prepare_inputs_for_generation)
+        model.generate = _Generate(self, model.generate)
         self.model = model
 
     def remove(self) -> None:
@@ -85,6 +90,8 @@ class SentencePositions:
         for handle in self.handles:
             handle.remove()
         self.model.__dict__.pop("prepare_inputs_for_generation", None)
+        if isinstance(self.model.__dict__.get("generate"), _Generate):
+            self.model.generate = self.model.generate.original
 
     def positions(self, ids: torch.Tensor, decoder: bool, given: torch.Tensor | None = None) -> torch.Tensor:
         return sentence_positions(ids, self.markers, self.stride, decoder, given)
@@ -93,12 +100,12 @@ class SentencePositions:
         self.inside = False
 
     def _model(self, module, args, kwargs):
-        self.inside = True
+        self.inside, self.step = True, False
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:  # packed rows (the warm start) come with their pairs' positions
             self.current["encoder"] = self.positions(ids, False, kwargs.get("position_ids"))
         if self.pending is not None:
-            self.current["decoder"], self.pending = self.pending, None
+            self.current["decoder"], self.pending, self.step = self.pending, None, True
             return None
         dec = kwargs.get("decoder_input_ids")
         if dec is None and kwargs.get("labels") is not None:
@@ -108,7 +115,7 @@ class SentencePositions:
 
     def _encoder(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and not self.inside:  # generate runs the encoder alone
+        if ids is not None and not self.inside and not self.generating:  # the encoder called alone
             self.current["encoder"] = self.positions(ids, decoder=False)
         return None
 
@@ -119,14 +126,20 @@ class SentencePositions:
         return self._table("decoder", args, kwargs)
 
     def _table(self, side: str, args, kwargs):
-        positions = self.current[side]
-        if positions is None:
+        table = self.current[side]
+        if table is None:
             return None
-        shape = tuple(args[0]) if args else tuple(kwargs["input_ids_shape"])
-        if tuple(positions.shape) != shape[:2]:
+        shape = (tuple(args[0]) if args else tuple(kwargs["input_ids_shape"]))[:2]
+        given = kwargs.get("position_ids")
+        if (side == "decoder" and self.step) or given is None:
+            positions = table  # a decoding step's own tokens; an encoder given no ids: the whole sequence
+        else:  # the indices of this call's tokens in the whole sequence (this rank's shard under SP; padding 0)
+            index = given.to(table.device).clamp(max=table.shape[1] - 1)
+            positions = table[:, index] if index.dim() == 1 else table.gather(1, index)
+        if tuple(positions.shape) != shape:
             raise RuntimeError(
                 f"--sentence_positions: the {side}'s positions are {tuple(positions.shape)} for a forward of "
-                f"{shape[:2]} tokens (the whole sequence must be on this rank: one process only)"
+                f"{shape} tokens"
             )
         kwargs["position_ids"] = positions
         return args, kwargs
@@ -146,6 +159,24 @@ class _Prepare:
         if step is not None:
             self.positions.pending = self.positions.positions(input_ids, decoder=True)[:, -step.shape[1] :]
         return inputs
+
+
+class _Generate:
+    """The model's `generate` (under SP the library's), which places the whole source first: under SP the encoder
+    runs on this rank's shard, and its position table gets the shard's indices in the whole source."""
+
+    def __init__(self, positions: SentencePositions, original):
+        self.positions, self.original = positions, original
+
+    def __call__(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        p = self.positions
+        p.current["encoder"] = None if ids is None else p.positions(ids, decoder=False)
+        p.generating = ids is not None
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            p.generating = False
 
 
 def install_from_config(model, tokenizer) -> SentencePositions | None:

@@ -169,9 +169,9 @@ class DataArguments:
             "help": "With --document_sentences N and the markers: the tokens of sentence k of a document at k x 80 + "
             "their offset in the sentence, on both sides, instead of their index in the document, so a target "
             "sentence sits at its source sentence's positions as in a sentence pair (recipes/sentence_positions.py; "
-            "from the documents on, after the sentence warm start). One process only for now. auto (the default): on "
-            "for documents with markers in one process, off under SP. Test document BLEU 55.23 against 53.15 "
-            "without, on hours of one speed (recipes/README.md)."
+            "from the documents on, after the sentence warm start). auto (the default): on for documents with "
+            "markers in one process (where it was measured: test document BLEU 55.23 against 53.15 without); true: "
+            "under SP too (the same loss, gradients and tokens as one process, tested); not with --tp_size > 1."
         },
     )
     sentence_separator: bool = field(
@@ -486,11 +486,10 @@ def check_sentence_positions(d, training_args) -> None:
             "--sentence_positions true: places the sentences of a document by their markers; it needs "
             "--document_sentences N > 1 and --sentence_markers true"
         )
-    if d.sentence_positions == "true" and (training_args.sp_size > 1 or training_args.tp_size > 1):
+    if d.sentence_positions == "true" and training_args.tp_size > 1:
         raise ValueError(
-            f"--sentence_positions true: one process only for now (--sp_size {training_args.sp_size}, --tp_size "
-            f"{training_args.tp_size}): its positions are computed on the whole sequence of the rank; run "
-            "`accelerate launch --num_processes 1`, or --sentence_positions auto (off under SP)"
+            f"--sentence_positions true: not with tensor parallelism (--tp_size {training_args.tp_size}): its "
+            "positions are put in by hooks that the TP layout does not run; --sentence_positions auto (off with TP)"
         )
 
 
@@ -499,7 +498,7 @@ def uses_sentence_positions(data_args, training_args) -> bool:
     if data_args.sentence_positions != "auto":
         return data_args.sentence_positions == "true"
     documents = data_args.document_sentences > 1 and data_args.sentence_markers
-    return documents and training_args.sp_size == 1 and training_args.tp_size == 1
+    return documents and training_args.sp_size == 1 and training_args.tp_size == 1  # measured in one process
 
 
 def warmup_minutes(data_args) -> float:
@@ -711,7 +710,10 @@ def main(argv=None):
         SentencePositions(model, markers, stride)
         logger.info("sentence positions: sentence k of a document at k x %d + its offset, both sides", stride)
     elif docs > 1 and data_args.sentence_markers and data_args.sentence_positions == "auto":
-        logger.info("sentence positions: off (one process only for now); positions count through each document")
+        logger.info(
+            "sentence positions: off under SP by default (measured in one process only; --sentence_positions true "
+            "gives one process's numbers under SP); positions count through each document"
+        )
     trainer.train()
     trainer.save_model(training_args.output_dir)  # a plain checkpoint (+ the tokenizer: processing_class)
 

@@ -426,24 +426,24 @@ def test_document_ramp_auto(recipes, tmp_path):
 
 
 def test_sentence_positions_auto_in_one_process_with_documents_and_markers(recipes, tmp_path):
-    """auto: on for documents with markers in one process, off under SP; true under SP is refused (the positions
-    are computed on the whole sequence of the rank)."""
+    """auto: on for documents with markers in one process (where measured), off under SP unless true; not with TP."""
     from types import SimpleNamespace
 
     recipe = recipes["translation"]
 
-    def used(*argv, sp=1):
+    def used(*argv, sp=1, tp=1):
         _, data_args, training_args = _parsed(recipe, list(argv), tmp_path)
         recipe.check_args(*_parsed(recipe, list(argv), tmp_path))
-        training_args = SimpleNamespace(sp_size=sp, tp_size=1)  # sp > 1 needs its processes to parse
+        training_args = SimpleNamespace(sp_size=sp, tp_size=tp)  # sp > 1 needs its processes to parse
         recipe.check_sentence_positions(data_args, training_args)
         return recipe.uses_sentence_positions(data_args, training_args)
 
     assert used("--document_sentences", "32")
     assert not used()  # sentences
-    assert not used("--document_sentences", "32", sp=2)  # off under SP
-    with pytest.raises(ValueError, match=r"^--sentence_positions true: one process only for now \(--sp_size 2, --tp"):
-        used("--document_sentences", "32", "--sentence_positions", "true", sp=2)
+    assert not used("--document_sentences", "32", sp=2)  # off under SP unless asked for
+    assert used("--document_sentences", "32", "--sentence_positions", "true", sp=2)
+    with pytest.raises(ValueError, match=r"^--sentence_positions true: not with tensor parallelism \(--tp_size 2\)"):
+        used("--document_sentences", "32", "--sentence_positions", "true", tp=2)
     assert not used("--document_sentences", "32", "--sentence_markers", "false")
     assert not used("--document_sentences", "32", "--sentence_positions", "false")
     assert used("--document_sentences", "4", "--sentence_positions", "true")

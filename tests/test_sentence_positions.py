@@ -164,3 +164,85 @@ def test_sentences_past_the_position_table_are_refused(document_model):
     model, _, markers, _ = document_model
     with pytest.raises(ValueError, match=r"--sentence_positions: 4 sentences x stride 21 = 84 positions, more than"):
         SentencePositions(model, markers, 21)
+
+
+# -- under SP: the positions of the whole documents, each rank its shard ----------------------------------------------
+def _sp_case():
+    """The tiny document model, a batch of documents and generate's arguments, alike in every process."""
+    texts = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
+    tokenizer = translation_data.add_markers(translation_data.train_tokenizer(texts, 60), 4)
+    sizes = SimpleNamespace(d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32)
+    sizes.dropout = sizes.attention_dropout = 0.0
+    torch.manual_seed(0)
+    model = build_model(sizes, tokenizer, 4 * 20)
+    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
+    doc = lambda side, n: " ".join(f"{translation_data.marker(k + 1)} {texts[2 * k + side]}" for k in range(n))
+    source = tokenizer([doc(0, 3), doc(0, 2), "the cat sat ."], return_tensors="pt", padding=True)
+    labels = tokenizer([doc(1, 3), doc(1, 2), "le chat ."], return_tensors="pt", padding=True)["input_ids"]
+    labels[labels == tokenizer.pad_token_id] = -100
+    shifted = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    batch = {**source, "labels": labels, "decoder_input_ids": shifted}
+    generation = {
+        **source,
+        "num_beams": 2,
+        "max_new_tokens": 9,
+        "min_new_tokens": 9,
+        "forced_eos_token_id": None,
+        "logits_processor": [ForceAt(1, markers[0]), ForceAt(4, markers[1])],
+    }
+    return model, markers, batch, generation
+
+
+def _loss_and_gradients(model, loss) -> list[float]:
+    loss.backward()
+    grads = [p.grad.flatten() for p in model.parameters() if p.requires_grad and p.grad is not None]
+    return torch.cat([loss.detach().reshape(1), *grads])
+
+
+def _sp_rank(out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from recipes.train_translation import RecipeTrainingArguments
+    from recipes.translation_training import BudgetTrainer
+
+    model, markers, batch, generation = _sp_case()
+    args = RecipeTrainingArguments(
+        output_dir=out_dir, sp_size=2, use_cpu=True, report_to=[], label_smoothing_factor=0.0
+    )  # the plain model's loss
+    trainer = BudgetTrainer(model=model, args=args, train_dataset=[{"input_ids": [2, 1], "labels": [3, 1]}] * 2)
+    SentencePositions(model, markers, 20)  # after the patch, as the recipe does
+    results = {}
+    for name, split in (("sequences", None), ("rows", lambda inputs: True)):
+        trainer.split_rows = split
+        model.zero_grad()
+        flat = _loss_and_gradients(model, trainer.compute_loss(trainer.model, dict(batch)))
+        dist.all_reduce(flat)  # what the data-parallel wrapper does over the group
+        results[name] = (flat / dist.get_world_size()).tolist()
+    model.eval()
+    results["generated"] = model.generate(**generation).tolist()
+    return results
+
+
+@pytest.mark.multiprocess
+def test_sp_trains_and_generates_as_one_process(tmp_path):
+    """sp=2: the documents split along their sequences (and the ramp's rows split across the group) give the loss and
+    gradients of one process with the same positions; beam search under SP (the encoder on shards) its tokens."""
+    import numpy as np
+
+    from tests.helpers.spawn import spawn
+
+    ranks = spawn(_sp_rank, 2, str(tmp_path))
+    model, markers, batch, generation = _sp_case()
+    hooks = SentencePositions(model, markers, 20)
+    expected = _loss_and_gradients(model, model(**batch).loss).numpy()
+    model.eval()
+    tokens = model.generate(**generation).tolist()
+    hooks.remove()
+    model.zero_grad()
+    plain = _loss_and_gradients(model, model.train()(**batch).loss).numpy()
+    assert abs(plain[0] - expected[0]) > 1e-4  # the positions matter for this batch
+    for rank in ranks:
+        for name in ("sequences", "rows"):
+            np.testing.assert_allclose(np.array(rank[name]), expected, rtol=1e-4, atol=1e-6, err_msg=name)
+        assert rank["generated"] == tokens
+    assert all(tokens[i][1] == markers[0] and tokens[i][4] == markers[1] for i in range(len(tokens)))
