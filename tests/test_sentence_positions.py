@@ -51,15 +51,24 @@ def test_the_positions_of_sentences_on_both_sides():
     assert sentence_positions(packed, MARKERS, 10, True, given).tolist() == [[0, 31, 32, 33, 0, 11, 12, 0, 1]]
 
 
-@pytest.fixture(scope="module")
-def document_model():
-    texts = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
-    tokenizer = translation_data.add_markers(translation_data.train_tokenizer(texts, 60), 4)
+TEXTS = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
+
+
+def _tiny_document_model():
+    """A 1 + 1-layer recipe model with 4 markers, its tokenizer and the markers' ids, alike in every process."""
+    tokenizer = translation_data.add_markers(translation_data.train_tokenizer(TEXTS, 60), 4)
     sizes = SimpleNamespace(d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32)
     sizes.dropout = sizes.attention_dropout = 0.0
     torch.manual_seed(0)
-    model = build_model(sizes, tokenizer, 4 * 20).eval()
-    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
+    model = build_model(sizes, tokenizer, 4 * 20)
+    return model, tokenizer, [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
+
+
+@pytest.fixture(scope="module")
+def document_model():
+    model, tokenizer, markers = _tiny_document_model()
+    model.eval()
+    texts = TEXTS
     source = tokenizer(
         [" ".join(f"{translation_data.marker(k + 1)} {s}" for k, s in enumerate(texts[:3])), "the cat sat ."],
         return_tensors="pt",
@@ -169,14 +178,8 @@ def test_sentences_past_the_position_table_are_refused(document_model):
 # -- under SP: the positions of the whole documents, each rank its shard ----------------------------------------------
 def _sp_case():
     """The tiny document model, a batch of documents and generate's arguments, alike in every process."""
-    texts = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
-    tokenizer = translation_data.add_markers(translation_data.train_tokenizer(texts, 60), 4)
-    sizes = SimpleNamespace(d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32)
-    sizes.dropout = sizes.attention_dropout = 0.0
-    torch.manual_seed(0)
-    model = build_model(sizes, tokenizer, 4 * 20)
-    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
-    doc = lambda side, n: " ".join(f"{translation_data.marker(k + 1)} {texts[2 * k + side]}" for k in range(n))
+    model, tokenizer, markers = _tiny_document_model()
+    doc = lambda side, n: " ".join(f"{translation_data.marker(k + 1)} {TEXTS[2 * k + side]}" for k in range(n))
     source = tokenizer([doc(0, 3), doc(0, 2), "the cat sat ."], return_tensors="pt", padding=True)
     labels = tokenizer([doc(1, 3), doc(1, 2), "le chat ."], return_tensors="pt", padding=True)["input_ids"]
     labels[labels == tokenizer.pad_token_id] = -100
