@@ -41,8 +41,8 @@ def sentence_positions(
 ) -> torch.Tensor:
     """[b, T] positions of the tokens `ids` [b, T]: k x stride + offset after the marker of sentence k (<s{k+1}>;
     the decoder's one later). `given`: the row's own positions, restarting at 0 for each pair of a packed row
-    (the warm start's sentences, each after a marker drawn at random: their slot is their marker's); tokens with
-    no marker before them in their pair (the decoder's start token, a row without markers) keep those."""
+    (each pair at its marker's slot: the measured try of the warm start's sentences, 54.53; the hooks refuse packed
+    rows now); tokens with no marker before them in their pair (the decoder's start token) keep those."""
     index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
     given = index if given is None else given.expand_as(ids)
     markers = markers.to(ids.device)
@@ -69,7 +69,7 @@ class SentencePositions:
         self.markers, self.stride = torch.tensor(marker_ids), stride
         self.current: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}
         self.pending: torch.Tensor | None = None  # generation: this step's decoder positions
-        self.inside = False  # in the model's forward, whose hook saw the whole inputs (and packed rows' positions)
+        self.inside = False  # in the model's forward, whose hook saw the whole inputs
         self.step = False  # that forward is a decoding step: the decoder's positions are its own tokens'
         self.generating = False  # in generate, whose wrapper placed the whole source (the encoder may get a shard)
         model.config.sentence_position_stride = stride
@@ -101,16 +101,22 @@ class SentencePositions:
 
     def _model(self, module, args, kwargs):
         self.inside, self.step = True, False
+        if kwargs.get("position_ids") is not None or kwargs.get("decoder_position_ids") is not None:
+            # the tables are gathered at sequence indices, which packed rows' restarting positions are not
+            raise ValueError(
+                "--sentence_positions: packed rows (position_ids) are not placed by sentence; install the "
+                "positions after the packed sentence warm start, as the recipe does"
+            )
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:  # packed rows (the warm start) come with their pairs' positions
-            self.current["encoder"] = self.positions(ids, False, kwargs.get("position_ids"))
+        if ids is not None:
+            self.current["encoder"] = self.positions(ids, decoder=False)
         if self.pending is not None:
             self.current["decoder"], self.pending, self.step = self.pending, None, True
             return None
         dec = kwargs.get("decoder_input_ids")
         if dec is None and kwargs.get("labels") is not None:
             dec = module.prepare_decoder_input_ids_from_labels(labels=kwargs["labels"])
-        self.current["decoder"] = None if dec is None else self.positions(dec, True, kwargs.get("decoder_position_ids"))
+        self.current["decoder"] = None if dec is None else self.positions(dec, decoder=True)
         return None
 
     def _encoder(self, module, args, kwargs):

@@ -169,8 +169,14 @@ def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
         torch.testing.assert_close(loaded(**source, decoder_input_ids=decoder).logits, expected)
 
 
-def test_sentences_past_the_position_table_are_refused(document_model):
-    model, _, markers, _ = document_model
+def test_sentences_past_the_position_table_and_packed_rows_are_refused(document_model):
+    model, _, markers, source = document_model
+    hooks = SentencePositions(model, markers, 20)
+    try:
+        with pytest.raises(ValueError, match=r"^--sentence_positions: packed rows \(position_ids\) are not placed"):
+            model(**source, decoder_input_ids=source["input_ids"][:, :3], position_ids=source["input_ids"] * 0)
+    finally:
+        hooks.remove()
     with pytest.raises(ValueError, match=r"--sentence_positions: 4 sentences x stride 21 = 84 positions, more than"):
         SentencePositions(model, markers, 21)
 
