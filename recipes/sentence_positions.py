@@ -36,6 +36,27 @@ else:  # a script's sibling
     from translation_data import marker
 
 
+def sentence_index(ids: torch.Tensor, markers: torch.Tensor) -> torch.Tensor:
+    """[b, T] the sentence k (from 0) of each token: that of the last marker at or before it (<s{k+1}>); tokens
+    with none before them (the decoder's start token, rows without markers) are in sentence 0."""
+    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    markers = markers.to(ids.device)
+    slot = (ids.unsqueeze(-1) == markers).long().argmax(-1)
+    last = torch.where(torch.isin(ids, markers), index, torch.full_like(index, -1)).cummax(-1).values
+    return torch.where(last >= 0, slot.gather(-1, last.clamp(min=0)), torch.zeros_like(ids))
+
+
+def local_mask(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, 1, q, k] True where a query of sentence i may attend: keys of sentence i (and, causal, not later: the
+    queries are the last q of the k keys)."""
+    allowed = queries.unsqueeze(-1) == keys.unsqueeze(-2)
+    if causal:
+        q, k = queries.shape[-1], keys.shape[-1]
+        rows = torch.arange(q, device=keys.device).unsqueeze(-1) + (k - q)
+        allowed = allowed & (torch.arange(k, device=keys.device) <= rows)
+    return allowed.unsqueeze(1)
+
+
 def sentence_positions(
     ids: torch.Tensor, markers: torch.Tensor, stride: int, decoder: bool, given: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -59,7 +80,7 @@ def sentence_positions(
 class SentencePositions:
     """The hooks (see the module's docstring). `stride` x `sentences` must fit the model's position tables."""
 
-    def __init__(self, model, marker_ids: list[int], stride: int):
+    def __init__(self, model, marker_ids: list[int], stride: int, local_layers: int = 0):
         rows = model.config.max_position_embeddings
         if stride * len(marker_ids) > rows:
             raise ValueError(
@@ -72,8 +93,17 @@ class SentencePositions:
         self.inside = False  # in the model's forward, whose hook saw the whole inputs
         self.step = False  # that forward is a decoding step: the decoder's positions are its own tokens'
         self.generating = False  # in generate, whose wrapper placed the whole source (the encoder may get a shard)
+        self.groups: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}  # sentence of each token
+        self.pending_groups: torch.Tensor | None = None  # generation: the beams' whole histories
         model.config.sentence_position_stride = stride
         backbone = model.get_encoder(), model.get_decoder()
+        layers = min(len(backbone[0].layers), len(backbone[1].layers))
+        if not 0 <= local_layers < layers:
+            raise ValueError(
+                f"--sentence_local_layers {local_layers}: from 0 to {layers - 1} (the layers above attend over the "
+                "whole document; all of them local would be a sentence model)"
+            )
+        model.config.sentence_local_layers = local_layers
         self.handles = [
             model.register_forward_pre_hook(self._model, with_kwargs=True),
             model.register_forward_hook(self._left, always_call=True),
@@ -81,6 +111,12 @@ class SentencePositions:
             backbone[0].embed_positions.register_forward_pre_hook(self._encoder_table, with_kwargs=True),
             backbone[1].embed_positions.register_forward_pre_hook(self._decoder_table, with_kwargs=True),
         ]
+        for i in range(local_layers):  # G-Transformer's group attention in the lower layers
+            self.handles += [
+                backbone[0].layers[i].self_attn.register_forward_pre_hook(_Local(self, "encoder"), with_kwargs=True),
+                backbone[1].layers[i].self_attn.register_forward_pre_hook(_Local(self, "decoder"), with_kwargs=True),
+                backbone[1].layers[i].encoder_attn.register_forward_pre_hook(_Local(self, "cross"), with_kwargs=True),
+            ]
         model.prepare_inputs_for_generation = _Prepare(self, model.prepare_inputs_for_generation)
         model.generate = _Generate(self, model.generate)
         self.model = model
@@ -110,19 +146,23 @@ class SentencePositions:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:
             self.current["encoder"] = self.positions(ids, decoder=False)
+            self.groups["encoder"] = sentence_index(ids, self.markers)
         if self.pending is not None:
             self.current["decoder"], self.pending, self.step = self.pending, None, True
+            self.groups["decoder"], self.pending_groups = self.pending_groups, None
             return None
         dec = kwargs.get("decoder_input_ids")
         if dec is None and kwargs.get("labels") is not None:
             dec = module.prepare_decoder_input_ids_from_labels(labels=kwargs["labels"])
         self.current["decoder"] = None if dec is None else self.positions(dec, decoder=True)
+        self.groups["decoder"] = None if dec is None else sentence_index(dec, self.markers)
         return None
 
     def _encoder(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and not self.inside and not self.generating:  # the encoder called alone
             self.current["encoder"] = self.positions(ids, decoder=False)
+            self.groups["encoder"] = sentence_index(ids, self.markers)
         return None
 
     def _encoder_table(self, module, args, kwargs):
@@ -164,7 +204,38 @@ class _Prepare:
         step = inputs.get("decoder_input_ids")
         if step is not None:
             self.positions.pending = self.positions.positions(input_ids, decoder=True)[:, -step.shape[1] :]
+            self.positions.pending_groups = sentence_index(input_ids, self.positions.markers)
         return inputs
+
+
+class _Local:
+    """A lower layer's attention kept within each sentence (`kind`: the encoder's, the decoder's or the
+    cross-attention): the layer's own mask (padding; causal) and the sentences' mask together."""
+
+    def __init__(self, positions: SentencePositions, kind: str):
+        self.positions, self.kind = positions, kind
+
+    def __call__(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        groups = self.positions.groups
+        keys = groups["decoder" if self.kind == "decoder" else "encoder"]
+        queries = groups["encoder" if self.kind == "encoder" else "decoder"]
+        if keys is None or queries is None:
+            return None  # no markers seen (a forward given embeddings): the layer as it is
+        queries = queries[:, -hidden.shape[1] :]  # a decoding step's query is the history's last token
+        if keys.shape[0] != hidden.shape[0]:  # generation's beams of one source
+            keys = keys.repeat_interleave(hidden.shape[0] // keys.shape[0], 0)
+        if queries.shape[1] != hidden.shape[1] or queries.shape[0] != hidden.shape[0]:
+            raise RuntimeError(
+                f"--sentence_local_layers: the {self.kind} attention has {tuple(hidden.shape[:2])} queries for "
+                f"sentences of {tuple(queries.shape)} tokens (a sharded sequence: not under SP)"
+            )
+        allowed = local_mask(queries.to(hidden.device), keys.to(hidden.device), causal=self.kind == "decoder")
+        given = kwargs.get("attention_mask")
+        if given is not None:
+            allowed = allowed & (given if given.dtype == torch.bool else given == 0)
+        kwargs["attention_mask"] = allowed
+        return args, kwargs
 
 
 class _Generate:
@@ -178,6 +249,7 @@ class _Generate:
         ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         p = self.positions
         p.current["encoder"] = None if ids is None else p.positions(ids, decoder=False)
+        p.groups["encoder"] = None if ids is None else sentence_index(ids, p.markers)
         p.generating = ids is not None
         try:
             return self.original(*args, **kwargs)
@@ -194,4 +266,4 @@ def install_from_config(model, tokenizer) -> SentencePositions | None:
     while tokenizer.convert_tokens_to_ids(marker(k)) not in (None, tokenizer.unk_token_id):
         ids.append(tokenizer.convert_tokens_to_ids(marker(k)))
         k += 1
-    return SentencePositions(model, ids, stride)
+    return SentencePositions(model, ids, stride, getattr(model.config, "sentence_local_layers", 0))

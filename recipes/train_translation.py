@@ -174,6 +174,15 @@ class DataArguments:
             "under SP too (the same loss, gradients and tokens as one process, tested); not with --tp_size > 1."
         },
     )
+    sentence_local_layers: int = field(
+        default=0,
+        metadata={
+            "help": "With the sentence positions: the lower N layers of each stack attend within each sentence of a "
+            "document (its encoder's, its decoder's and the cross-attention, as G-Transformer's group attention), "
+            "the layers above over the whole document, so the lower layers see what the sentence warm start "
+            "trained them on. 0 (the default): every layer over the whole document. One process only."
+        },
+    )
     sentence_separator: bool = field(
         default=False,
         metadata={
@@ -397,6 +406,19 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
             "a document: choose one (--sentence_markers false for <sep>)"
         )
     check_sentence_positions(d, training_args)
+    if d.sentence_local_layers:
+        layers = min(m.encoder_layers, m.decoder_layers)
+        if not 0 < d.sentence_local_layers < layers:
+            raise ValueError(
+                f"--sentence_local_layers {d.sentence_local_layers}: from 0 to {layers - 1} (the layers above "
+                "attend over the whole document; all of them local would be a sentence model)"
+            )
+        if not uses_sentence_positions(d, training_args) or training_args.sp_size > 1:
+            raise ValueError(
+                f"--sentence_local_layers {d.sentence_local_layers}: with the sentence positions in one process "
+                f"(here --sentence_positions {d.sentence_positions}, --sp_size {training_args.sp_size}): its "
+                "masks are over whole sequences, which SP shards"
+            )
     pack = packed_row_tokens(d)
     if pack and d.document_sentences > 1:
         raise ValueError(
@@ -707,8 +729,13 @@ def main(argv=None):
         # random marker's slot instead gave 54.53 against 55.23 (docs/translation-experiments.md)
         markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
         stride = (model.config.max_position_embeddings - 2) // docs
-        SentencePositions(model, markers, stride)
+        SentencePositions(model, markers, stride, data_args.sentence_local_layers)
         logger.info("sentence positions: sentence k of a document at k x %d + its offset, both sides", stride)
+        if data_args.sentence_local_layers:
+            logger.info(
+                "sentence attention: the lower %d layers of each stack attend within each sentence",
+                data_args.sentence_local_layers,
+            )
     elif docs > 1 and data_args.sentence_markers and data_args.sentence_positions == "auto":
         logger.info(
             "sentence positions: off under SP by default (measured in one process only; --sentence_positions true "

@@ -88,6 +88,14 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--sentence_positions", "true", "--sentence_markers", "false"],
         "--sentence_positions true: places the sentences of a document by their markers",
     ),
+    "sentence_local_layers all": (
+        ["--document_sentences", "8", "--sentence_local_layers", "3"],
+        "--sentence_local_layers 3: from 0 to 2 (the layers above attend over the whole document",
+    ),
+    "sentence_local_layers no positions": (
+        ["--document_sentences", "8", "--sentence_local_layers", "1", "--sentence_positions", "false"],
+        "--sentence_local_layers 1: with the sentence positions in one process (here --sentence_positions false",
+    ),
     "init_from no model": (["--init_from", "/nonexistent/run"], "--init_from /nonexistent/run: no saved model there"),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),

@@ -12,7 +12,13 @@ import torch
 from transformers import LogitsProcessor, MarianMTModel
 
 from recipes import translation_data
-from recipes.sentence_positions import SentencePositions, install_from_config, sentence_positions
+from recipes.sentence_positions import (
+    SentencePositions,
+    install_from_config,
+    local_mask,
+    sentence_index,
+    sentence_positions,
+)
 from recipes.translation_training import build_model
 
 MARKERS = torch.tensor([50, 51, 52, 53])
@@ -54,19 +60,21 @@ def test_the_positions_of_sentences_on_both_sides():
 TEXTS = ["the cat sat on the mat .", "le chat est assis sur le tapis .", "I am here .", "je suis ici ."] * 4
 
 
-def _tiny_document_model():
-    """A 1 + 1-layer recipe model with 4 markers, its tokenizer and the markers' ids, alike in every process."""
+def _tiny_document_model(layers: int = 1):
+    """A `layers` + `layers`-layer recipe model with 4 markers, its tokenizer and the markers' ids, alike in every
+    process."""
     tokenizer = translation_data.add_markers(translation_data.train_tokenizer(TEXTS, 60), 4)
-    sizes = SimpleNamespace(d_model=16, encoder_layers=1, decoder_layers=1, attention_heads=2, ffn_dim=32)
+    sizes = SimpleNamespace(d_model=16, encoder_layers=layers, decoder_layers=layers, attention_heads=2, ffn_dim=32)
     sizes.dropout = sizes.attention_dropout = 0.0
     torch.manual_seed(0)
     model = build_model(sizes, tokenizer, 4 * 20)
     return model, tokenizer, [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
 
 
-@pytest.fixture(scope="module")
-def document_model():
-    model, tokenizer, markers = _tiny_document_model()
+@pytest.fixture(scope="module", params=[1, 2], ids=["1 layer", "2 layers, the lower local"])
+def document_model(request):
+    model, tokenizer, markers = _tiny_document_model(request.param)
+    model.local_layers = request.param - 1  # the hooks' sentence_local_layers in the tests that take it
     model.eval()
     texts = TEXTS
     source = tokenizer(
@@ -87,7 +95,7 @@ def test_generation_sees_the_positions_training_sees(document_model):
     model, tokenizer, markers, source = document_model
     with torch.no_grad():
         plain = model(**source, decoder_input_ids=torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)).logits
-    hooks = SentencePositions(model, markers, 20)
+    hooks = SentencePositions(model, markers, 20, model.local_layers)
     try:
         with torch.no_grad():
             aligned = model(**source, decoder_input_ids=torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)).logits
@@ -130,7 +138,7 @@ def test_a_deep_copy_keeps_positions_of_its_own(document_model):
     import copy
 
     model, tokenizer, markers, source = document_model
-    hooks = SentencePositions(model, markers, 20)
+    hooks = SentencePositions(model, markers, 20, model.local_layers)
     try:
         twin = copy.deepcopy(model)
     finally:
@@ -155,7 +163,7 @@ def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
     model, tokenizer, markers, source = document_model
 
     decoder = torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)
-    hooks = SentencePositions(model, markers, 20)
+    hooks = SentencePositions(model, markers, 20, model.local_layers)
     try:
         with torch.no_grad():
             expected = model(**source, decoder_input_ids=decoder).logits
@@ -164,9 +172,44 @@ def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
         hooks.remove()
     loaded = MarianMTModel.from_pretrained(tmp_path).eval()
     assert loaded.config.sentence_position_stride == 20
+    assert loaded.config.sentence_local_layers == model.local_layers
     assert install_from_config(loaded, tokenizer) is not None
     with torch.no_grad():
         torch.testing.assert_close(loaded(**source, decoder_input_ids=decoder).logits, expected)
+
+
+def test_local_layers_attend_within_each_sentence():
+    """--sentence_local_layers 1 of 2: the lower layer's output for a sentence does not change with the other
+    sentences (the source's third sentence changed, the decoder's second); the upper layer's does."""
+    model, tokenizer, markers = _tiny_document_model(2)
+    model.eval()
+    assert sentence_index(torch.tensor([[0, 50, 5, 51, 6, 7, 52, 1]]), MARKERS).tolist() == [[0, 0, 0, 1, 1, 1, 2, 2]]
+    assert local_mask(torch.tensor([[0, 1]]), torch.tensor([[0, 0, 1]]), causal=True).tolist() == [
+        [[[True, True, False], [False, False, True]]]
+    ]
+    hooks = SentencePositions(model, markers, 20, 1)
+    try:
+        outputs = {}
+        for name, module in [("encoder", model.get_encoder().layers), ("decoder", model.get_decoder().layers)]:
+            for i, layer in enumerate(module):
+                layer.register_forward_hook(lambda m, a, out, key=(name, i): outputs.__setitem__(key, out))
+        runs = []
+        for third, second in (("I am here .", 7), ("the cat sat on the mat .", 9)):
+            text = " ".join(f"{translation_data.marker(k + 1)} {s}" for k, s in enumerate(TEXTS[:2] + [third]))
+            source = tokenizer([text], return_tensors="pt")
+            decoder = torch.tensor([[0, markers[0], 7, 8, markers[1], second, 8]])
+            with torch.no_grad():
+                model(**source, decoder_input_ids=decoder)
+            first = int((source["input_ids"][0] == markers[2]).nonzero())  # the source's third sentence begins
+            runs.append({key: (out[0] if isinstance(out, tuple) else out)[0].clone() for key, out in outputs.items()})
+        torch.testing.assert_close(runs[0][("encoder", 0)][:first], runs[1][("encoder", 0)][:first])
+        torch.testing.assert_close(runs[0][("decoder", 0)][:5], runs[1][("decoder", 0)][:5])  # the first sentence
+        assert not torch.allclose(runs[0][("encoder", 1)][:first], runs[1][("encoder", 1)][:first])
+        assert not torch.allclose(runs[0][("decoder", 1)][:4], runs[1][("decoder", 1)][:4])
+        with pytest.raises(ValueError, match="--sentence_local_layers 2: from 0 to 1"):
+            SentencePositions(model, markers, 20, 2)
+    finally:
+        hooks.remove()
 
 
 def test_sentences_past_the_position_table_and_packed_rows_are_refused(document_model):
