@@ -28,6 +28,8 @@ config; `install_from_config` puts the hooks back after `from_pretrained`.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 if __package__:  # imported as recipes.sentence_positions (tests)
@@ -94,6 +96,7 @@ class SentencePositions:
         self.step = False  # that forward is a decoding step: the decoder's positions are its own tokens'
         self.generating = False  # in generate, whose wrapper placed the whole source (the encoder may get a shard)
         self.groups: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}  # sentence of each token
+        self.source_mask: torch.Tensor | None = None  # [b, S] the source's padding (the local layers' keys)
         self.pending_groups: torch.Tensor | None = None  # generation: the beams' whole histories
         model.config.sentence_position_stride = stride
         backbone = model.get_encoder(), model.get_decoder()
@@ -111,12 +114,19 @@ class SentencePositions:
             backbone[0].embed_positions.register_forward_pre_hook(self._encoder_table, with_kwargs=True),
             backbone[1].embed_positions.register_forward_pre_hook(self._decoder_table, with_kwargs=True),
         ]
+        self.plain_configs: list = []  # (module, its config before): the local layers' attention runs plain sdpa
         for i in range(local_layers):  # G-Transformer's group attention in the lower layers
-            self.handles += [
-                backbone[0].layers[i].self_attn.register_forward_pre_hook(_Local(self, "encoder"), with_kwargs=True),
-                backbone[1].layers[i].self_attn.register_forward_pre_hook(_Local(self, "decoder"), with_kwargs=True),
-                backbone[1].layers[i].encoder_attn.register_forward_pre_hook(_Local(self, "cross"), with_kwargs=True),
-            ]
+            for kind, attention in (
+                ("encoder", backbone[0].layers[i].self_attn),
+                ("decoder", backbone[1].layers[i].self_attn),
+                ("cross", backbone[1].layers[i].encoder_attn),
+            ):
+                self.handles.append(attention.register_forward_pre_hook(_Local(self, kind), with_kwargs=True))
+                # its own config, so that a library's attention (seqpar_hf's takes no per-call masks) is not the
+                # one it runs: the mask is whole here, so these layers need the whole sequence (refused under SP)
+                self.plain_configs.append((attention, attention.config))
+                attention.config = copy.copy(attention.config)
+                attention.config._attn_implementation = "sdpa"
         model.prepare_inputs_for_generation = _Prepare(self, model.prepare_inputs_for_generation)
         model.generate = _Generate(self, model.generate)
         self.model = model
@@ -125,6 +135,8 @@ class SentencePositions:
         """The model's plain positions back."""
         for handle in self.handles:
             handle.remove()
+        for attention, config in self.plain_configs:
+            attention.config = config
         self.model.__dict__.pop("prepare_inputs_for_generation", None)
         if isinstance(self.model.__dict__.get("generate"), _Generate):
             self.model.generate = self.model.generate.original
@@ -147,6 +159,8 @@ class SentencePositions:
         if ids is not None:
             self.current["encoder"] = self.positions(ids, decoder=False)
             self.groups["encoder"] = sentence_index(ids, self.markers)
+        if ids is not None or kwargs.get("attention_mask") is not None:  # a decoding step gets the source's
+            self.source_mask = kwargs.get("attention_mask")
         if self.pending is not None:
             self.current["decoder"], self.pending, self.step = self.pending, None, True
             self.groups["decoder"], self.pending_groups = self.pending_groups, None
@@ -163,6 +177,7 @@ class SentencePositions:
         if ids is not None and not self.inside and not self.generating:  # the encoder called alone
             self.current["encoder"] = self.positions(ids, decoder=False)
             self.groups["encoder"] = sentence_index(ids, self.markers)
+            self.source_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         return None
 
     def _encoder_table(self, module, args, kwargs):
@@ -210,7 +225,8 @@ class _Prepare:
 
 class _Local:
     """A lower layer's attention kept within each sentence (`kind`: the encoder's, the decoder's or the
-    cross-attention): the layer's own mask (padding; causal) and the sentences' mask together."""
+    cross-attention): a whole mask (the sentences, causal for the decoder, the source's padding), and the layer's
+    own where it gets one (a patched model's layers get none: its attention takes masks from the inputs)."""
 
     def __init__(self, positions: SentencePositions, kind: str):
         self.positions, self.kind = positions, kind
@@ -231,6 +247,11 @@ class _Local:
                 f"sentences of {tuple(queries.shape)} tokens (a sharded sequence: not under SP)"
             )
         allowed = local_mask(queries.to(hidden.device), keys.to(hidden.device), causal=self.kind == "decoder")
+        padding = self.positions.source_mask
+        if self.kind != "decoder" and padding is not None:  # the source's padding keys, whatever mask is given
+            if padding.shape[0] != hidden.shape[0]:
+                padding = padding.repeat_interleave(hidden.shape[0] // padding.shape[0], 0)
+            allowed = allowed & padding.bool().to(hidden.device)[:, None, None, :]
         given = kwargs.get("attention_mask")
         if given is not None:
             allowed = allowed & (given if given.dtype == torch.bool else given == 0)
@@ -250,6 +271,7 @@ class _Generate:
         p = self.positions
         p.current["encoder"] = None if ids is None else p.positions(ids, decoder=False)
         p.groups["encoder"] = None if ids is None else sentence_index(ids, p.markers)
+        p.source_mask = kwargs.get("attention_mask")
         p.generating = ids is not None
         try:
             return self.original(*args, **kwargs)

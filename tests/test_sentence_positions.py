@@ -225,9 +225,9 @@ def test_sentences_past_the_position_table_and_packed_rows_are_refused(document_
 
 
 # -- under SP: the positions of the whole documents, each rank its shard ----------------------------------------------
-def _sp_case():
+def _sp_case(layers: int = 1):
     """The tiny document model, a batch of documents and generate's arguments, alike in every process."""
-    model, tokenizer, markers = _tiny_document_model()
+    model, tokenizer, markers = _tiny_document_model(layers)
     doc = lambda side, n: " ".join(f"{translation_data.marker(k + 1)} {TEXTS[2 * k + side]}" for k in range(n))
     source = tokenizer([doc(0, 3), doc(0, 2), "the cat sat ."], return_tensors="pt", padding=True)
     labels = tokenizer([doc(1, 3), doc(1, 2), "le chat ."], return_tensors="pt", padding=True)["input_ids"]
@@ -273,6 +273,58 @@ def _sp_rank(out_dir: str) -> dict:
     model.eval()
     results["generated"] = model.generate(**generation).tolist()
     return results
+
+
+def _local_rank(out_dir: str) -> dict:
+    """The recipe's one process: the Trainer's patched model (sp=1), the lower of 2 layers local."""
+    from recipes.train_translation import RecipeTrainingArguments
+    from recipes.translation_training import BudgetTrainer
+
+    model, markers, batch, generation = _sp_case(2)
+    args = RecipeTrainingArguments(output_dir=out_dir, sp_size=1, use_cpu=True, report_to=[], label_smoothing_factor=0)
+    trainer = BudgetTrainer(model=model, args=args, train_dataset=[{"input_ids": [2, 1], "labels": [3, 1]}] * 2)
+    SentencePositions(model, markers, 20, 1)
+    flat = _loss_and_gradients(model, trainer.compute_loss(trainer.model, dict(batch)))
+    model.eval()
+    result = {"trained": flat.tolist(), "generated": model.generate(**generation).tolist()}
+
+    def masked(module, args, kwargs):  # a mask made by a hook, on a layer the library attends (the upper one)
+        kwargs["attention_mask"] = torch.ones(args[0].shape[0], 1, args[0].shape[1], args[0].shape[1], dtype=torch.bool)
+        return args, kwargs
+
+    model.get_encoder().layers[1].self_attn.register_forward_pre_hook(masked, with_kwargs=True)
+    try:
+        trainer.compute_loss(trainer.model, dict(batch))
+    except NotImplementedError as error:
+        result["refused"] = str(error)
+    return result
+
+
+@pytest.mark.multiprocess
+def test_local_layers_train_and_generate_as_the_plain_model_under_the_trainer(tmp_path):
+    """seqpar_hf's attention takes no per-call masks (it refuses one): the local layers run plain sdpa with their
+    whole mask, so the Trainer's patched model in one process trains and generates as the unpatched model."""
+    import numpy as np
+
+    from tests.helpers.spawn import spawn
+
+    (rank,) = spawn(_local_rank, 1, str(tmp_path))
+    model, markers, batch, generation = _sp_case(2)
+    hooks = SentencePositions(model, markers, 20, 1)
+    expected = _loss_and_gradients(model, model(**batch).loss).numpy()
+    tokens = model.eval().generate(**generation).tolist()
+    hooks.remove()
+    hooks = SentencePositions(model, markers, 20, 0)
+    model.zero_grad()
+    whole = _loss_and_gradients(model, model.train()(**batch).loss).numpy()
+    hooks.remove()
+    assert np.abs(whole - expected).max() > 1e-4  # the local layer matters for this batch (its gradients)
+    np.testing.assert_allclose(np.array(rank["trained"]), expected, rtol=1e-4, atol=1e-6)
+    assert rank["generated"] == tokens
+    assert rank.get("refused", "").startswith(
+        "seqpar_hf: encoder.layers.1.self_attn was given an attention mask of shape (3, 1, 22, 22) that transformers' "
+        "mask functions did not build (a forward hook or the model's own code made it)"
+    )
 
 
 @pytest.mark.multiprocess

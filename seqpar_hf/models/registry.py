@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -91,6 +92,16 @@ def sp_attention(
             sliding_window,
             window,
             kwargs,
+        )
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-2] > 1:
+        # the mask functions above build none: this one came from elsewhere (a hook, the model's own code) and
+        # differs between queries, which the inputs' padding (all the sharded kernels take) cannot make. A mask
+        # over the keys alone is the padding a model built by hand (T5-style encoders), which they do apply.
+        raise NotImplementedError(
+            f"seqpar_hf: {site.name} was given an attention mask of shape {tuple(attention_mask.shape)} that "
+            "transformers' mask functions did not build (a forward hook or the model's own code made it); the "
+            "sequence-parallel kernels take padding, documents and windows from the forward's inputs and would drop "
+            "it. Express it through the model's inputs (attention_mask, position_ids) or run without seqpar_hf"
         )
     query = temperature.on_shard(module, query, ctx.plan(site.q_side))  # queries scaled by their index
     mods = site.score_mods(ctx, kwargs)  # soft-capping, sinks, a relative position bias
