@@ -114,7 +114,7 @@ class SentencePositions:
             backbone[0].embed_positions.register_forward_pre_hook(self._encoder_table, with_kwargs=True),
             backbone[1].embed_positions.register_forward_pre_hook(self._decoder_table, with_kwargs=True),
         ]
-        self.plain_configs: list = []  # (module, its config before): the local layers' attention runs plain sdpa
+        self.plain_configs: list = []  # (module, its config before): the local layers' attention runs plain eager
         for i in range(local_layers):  # G-Transformer's group attention in the lower layers
             for kind, attention in (
                 ("encoder", backbone[0].layers[i].self_attn),
@@ -123,10 +123,12 @@ class SentencePositions:
             ):
                 self.handles.append(attention.register_forward_pre_hook(_Local(self, kind), with_kwargs=True))
                 # its own config, so that a library's attention (seqpar_hf's takes no per-call masks) is not the
-                # one it runs: the mask is whole here, so these layers need the whole sequence (refused under SP)
+                # one it runs: the mask is whole here, so these layers need the whole sequence (refused under SP).
+                # Eager: a step of the ramp's pieces 160-165 ms against 219-227 with sdpa (its CPU kernel on rows
+                # of 36 tokens) and 178 with no local layer; whole documents 191-195 against 207-211 and 204
                 self.plain_configs.append((attention, attention.config))
                 attention.config = copy.copy(attention.config)
-                attention.config._attn_implementation = "sdpa"
+                attention.config._attn_implementation = "eager"
         model.prepare_inputs_for_generation = _Prepare(self, model.prepare_inputs_for_generation)
         model.generate = _Generate(self, model.generate)
         self.model = model
@@ -255,7 +257,10 @@ class _Local:
         given = kwargs.get("attention_mask")
         if given is not None:
             allowed = allowed & (given if given.dtype == torch.bool else given == 0)
-        kwargs["attention_mask"] = allowed
+        # additive, as eager attention takes it (float32: the scores of bf16 queries promote to it)
+        kwargs["attention_mask"] = torch.zeros(allowed.shape, device=hidden.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min
+        )
         return args, kwargs
 
 

@@ -90,7 +90,7 @@ TRANSLATION = {  # flags: the start of the message
     ),
     "sentence_local_layers all": (
         ["--document_sentences", "8", "--sentence_local_layers", "3"],
-        "--sentence_local_layers 3: from 0 to 2 (the layers above attend over the whole document",
+        "--sentence_local_layers 3: auto, or from 0 to 2 (the layers above attend over the whole document",
     ),
     "sentence_local_layers no positions": (
         ["--document_sentences", "8", "--sentence_local_layers", "1", "--sentence_positions", "false"],
@@ -455,6 +455,25 @@ def test_sentence_positions_auto_in_one_process_with_documents_and_markers(recip
     assert not used("--document_sentences", "32", "--sentence_markers", "false")
     assert not used("--document_sentences", "32", "--sentence_positions", "false")
     assert used("--document_sentences", "4", "--sentence_positions", "true")
+
+
+def test_sentence_local_layers_auto_with_the_positions_in_one_process(recipes, tmp_path):
+    """auto: all but the top layer where the sentence positions are on in one process, else 0; a number as given."""
+    from types import SimpleNamespace
+
+    recipe = recipes["translation"]
+
+    def local(*argv, sp=1):
+        model_args, data_args, _ = _parsed(recipe, list(argv), tmp_path)
+        return recipe.sentence_local_layers(model_args, data_args, SimpleNamespace(sp_size=sp, tp_size=1))
+
+    assert local("--document_sentences", "32") == 2
+    assert local("--document_sentences", "32", "--encoder_layers", "6", "--decoder_layers", "4") == 3
+    assert local() == 0  # sentences
+    assert local("--document_sentences", "32", "--sentence_positions", "true", sp=2) == 0  # whole sequences only
+    assert local("--document_sentences", "32", "--sentence_positions", "false") == 0
+    assert local("--document_sentences", "32", "--sentence_local_layers", "1") == 1
+    assert local("--document_sentences", "32", "--sentence_local_layers", "0") == 0
 
 
 def test_init_from_skips_the_sentence_warm_start_unless_given(recipes, tmp_path):

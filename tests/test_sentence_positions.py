@@ -302,8 +302,9 @@ def _local_rank(out_dir: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_local_layers_train_and_generate_as_the_plain_model_under_the_trainer(tmp_path):
-    """seqpar_hf's attention takes no per-call masks (it refuses one): the local layers run plain sdpa with their
-    whole mask, so the Trainer's patched model in one process trains and generates as the unpatched model."""
+    """seqpar_hf's attention takes no per-call masks (it refuses one): the local layers run plain eager attention
+    with their whole mask, so the Trainer's patched model in one process trains and generates as the unpatched
+    model."""
     import numpy as np
 
     from tests.helpers.spawn import spawn
