@@ -21,6 +21,11 @@ on every rank: the tables of the whole sequences), on its encoder (called alone 
 position table (it gets the rows of the table at the indices it is given: this rank's shard of the sequence under SP,
 the library's hook having run first), and generation's `generate` (the whole source, before the library shards it)
 and `prepare_inputs_for_generation` (each beam's whole history: a decoding step's forward sees its last token only).
+With `local_layers` N, the lower N layers of each stack attend within each sentence (the cross-attention from
+target sentence k to source sentence k), the layers above over the whole document (G-Transformer's group attention):
+a pre-hook on each of their attention modules hands it the whole mask (the sentences, causal for the decoder, the
+source's padding), and they run plain eager attention, not a library's (seqpar_hf's takes no per-call mask and
+refuses one), so they need the whole sequence: one process only.
 Install them after `patch_model` (the recipe does, after its Trainer); under SP the loss, gradients and generated
 tokens are one process's (tests/test_sentence_positions.py). A saved model keeps `sentence_position_stride` in its
 config; `install_from_config` puts the hooks back after `from_pretrained`.
@@ -38,14 +43,21 @@ else:  # a script's sibling
     from translation_data import marker
 
 
+def _last_marker(ids: torch.Tensor, markers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[b, T] each token's index, the sentence of the last marker at or before it (0 where none) and that marker's
+    index (-1 where none)."""
+    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    markers = markers.to(ids.device)
+    slot = (ids.unsqueeze(-1) == markers).long().argmax(-1)  # which marker (0 for the other tokens)
+    last = torch.where(torch.isin(ids, markers), index, torch.full_like(index, -1)).cummax(-1).values
+    return index, slot.gather(-1, last.clamp(min=0)), last
+
+
 def sentence_index(ids: torch.Tensor, markers: torch.Tensor) -> torch.Tensor:
     """[b, T] the sentence k (from 0) of each token: that of the last marker at or before it (<s{k+1}>); tokens
     with none before them (the decoder's start token, rows without markers) are in sentence 0."""
-    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
-    markers = markers.to(ids.device)
-    slot = (ids.unsqueeze(-1) == markers).long().argmax(-1)
-    last = torch.where(torch.isin(ids, markers), index, torch.full_like(index, -1)).cummax(-1).values
-    return torch.where(last >= 0, slot.gather(-1, last.clamp(min=0)), torch.zeros_like(ids))
+    _, k, last = _last_marker(ids, markers)
+    return torch.where(last >= 0, k, torch.zeros_like(k))
 
 
 def local_mask(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -66,15 +78,10 @@ def sentence_positions(
     the decoder's one later). `given`: the row's own positions, restarting at 0 for each pair of a packed row
     (each pair at its marker's slot: the measured try of the warm start's sentences, 54.53; the hooks refuse packed
     rows now); tokens with no marker before them in their pair (the decoder's start token) keep those."""
-    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    index, k, last = _last_marker(ids, markers)
     given = index if given is None else given.expand_as(ids)
-    markers = markers.to(ids.device)
-    is_marker = torch.isin(ids, markers)
-    slot = (ids.unsqueeze(-1) == markers).long().argmax(-1)  # which marker (0 for the other tokens)
-    last = torch.where(is_marker, index, torch.full_like(index, -1)).cummax(-1).values
     pair_start = torch.where(given == 0, index, torch.zeros_like(index)).cummax(-1).values
     placed = last >= pair_start  # a marker before this token (or it) in its pair
-    k = slot.gather(-1, last.clamp(min=0))
     within = (index - last + int(decoder)).clamp(max=stride - 1)
     return torch.where(placed, k * stride + within, given)
 
@@ -124,8 +131,8 @@ class SentencePositions:
                 self.handles.append(attention.register_forward_pre_hook(_Local(self, kind), with_kwargs=True))
                 # its own config, so that a library's attention (seqpar_hf's takes no per-call masks) is not the
                 # one it runs: the mask is whole here, so these layers need the whole sequence (refused under SP).
-                # Eager: a step of the ramp's pieces 160-165 ms against 219-227 with sdpa (its CPU kernel on rows
-                # of 36 tokens) and 178 with no local layer; whole documents 191-195 against 207-211 and 204
+                # Eager: a step of the ramp's pieces as fast as with no local layer, sdpa's CPU kernel 1.35x on
+                # their rows of 36 tokens (python -m benchmarks.sentence_local_layers)
                 self.plain_configs.append((attention, attention.config))
                 attention.config = copy.copy(attention.config)
                 attention.config._attn_implementation = "eager"
