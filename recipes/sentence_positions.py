@@ -108,10 +108,10 @@ class SentencePositions:
         model.config.sentence_position_stride = stride
         backbone = model.get_encoder(), model.get_decoder()
         layers = min(len(backbone[0].layers), len(backbone[1].layers))
-        if not 0 <= local_layers < layers:
+        if not 0 <= local_layers <= layers:
             raise ValueError(
-                f"--sentence_local_layers {local_layers}: from 0 to {layers - 1} (the layers above attend over the "
-                "whole document; all of them local would be a sentence model)"
+                f"--sentence_local_layers {local_layers}: from 0 to {layers} (the layers of the shallower stack; "
+                "those above attend over the whole document)"
             )
         model.config.sentence_local_layers = local_layers
         self.handles = [

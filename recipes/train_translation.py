@@ -183,7 +183,8 @@ class DataArguments:
             "lower layers see each sentence as the sentence warm start trained them. auto (the default): all but "
             "the top layer where the sentence positions are on in one process (test document BLEU 55.31 after "
             "4,503 document steps against 55.23 after 6,631 without), else 0; 0: every layer over the whole "
-            "document. One process only (their masks are over whole sequences)."
+            "document; all of them (3): no layer sees the other sentences (the sentence model, reading a document "
+            "in one row). One process only (their masks are over whole sequences)."
         },
     )
     sentence_separator: bool = field(
@@ -410,10 +411,10 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
         )
     check_sentence_positions(d, training_args)
     local = d.sentence_local_layers
-    if local != "auto" and not (local.isdigit() and 0 <= int(local) < min(m.encoder_layers, m.decoder_layers)):
+    if local != "auto" and not (local.isdigit() and 0 <= int(local) <= min(m.encoder_layers, m.decoder_layers)):
         raise ValueError(
-            f"--sentence_local_layers {local}: auto, or from 0 to {min(m.encoder_layers, m.decoder_layers) - 1} (the "
-            "layers above attend over the whole document; all of them local would be a sentence model)"
+            f"--sentence_local_layers {local}: auto, or from 0 to {min(m.encoder_layers, m.decoder_layers)} (the "
+            "layers of the shallower stack; the layers above those attend over the whole document)"
         )
     if local not in ("auto", "0") and (not uses_sentence_positions(d, training_args) or training_args.sp_size > 1):
         raise ValueError(

@@ -88,9 +88,9 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--sentence_positions", "true", "--sentence_markers", "false"],
         "--sentence_positions true: places the sentences of a document by their markers",
     ),
-    "sentence_local_layers all": (
-        ["--document_sentences", "8", "--sentence_local_layers", "3"],
-        "--sentence_local_layers 3: auto, or from 0 to 2 (the layers above attend over the whole document",
+    "sentence_local_layers past the layers": (
+        ["--document_sentences", "8", "--sentence_local_layers", "4"],
+        "--sentence_local_layers 4: auto, or from 0 to 3 (the layers of the shallower stack",
     ),
     "sentence_local_layers no positions": (
         ["--document_sentences", "8", "--sentence_local_layers", "1", "--sentence_positions", "false"],

@@ -71,10 +71,13 @@ def _tiny_document_model(layers: int = 1):
     return model, tokenizer, [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, 5)]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1 layer", "2 layers, the lower local"])
+@pytest.fixture(
+    scope="module", params=[(1, 0), (2, 1), (1, 1)], ids=["1 layer", "2 layers, the lower local", "1 layer, local"]
+)
 def document_model(request):
-    model, tokenizer, markers = _tiny_document_model(request.param)
-    model.local_layers = request.param - 1  # the hooks' sentence_local_layers in the tests that take it
+    layers, local = request.param
+    model, tokenizer, markers = _tiny_document_model(layers)
+    model.local_layers = local  # the hooks' sentence_local_layers in the tests that take it
     model.eval()
     texts = TEXTS
     source = tokenizer(
@@ -206,8 +209,8 @@ def test_local_layers_attend_within_each_sentence():
         torch.testing.assert_close(runs[0][("decoder", 0)][:5], runs[1][("decoder", 0)][:5])  # the first sentence
         assert not torch.allclose(runs[0][("encoder", 1)][:first], runs[1][("encoder", 1)][:first])
         assert not torch.allclose(runs[0][("decoder", 1)][:4], runs[1][("decoder", 1)][:4])
-        with pytest.raises(ValueError, match="--sentence_local_layers 2: from 0 to 1"):
-            SentencePositions(model, markers, 20, 2)
+        with pytest.raises(ValueError, match="--sentence_local_layers 3: from 0 to 2"):
+            SentencePositions(model, markers, 20, 3)
     finally:
         hooks.remove()
 
