@@ -75,15 +75,18 @@ def sentence_positions(
     ids: torch.Tensor, markers: torch.Tensor, stride: int, decoder: bool, given: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[b, T] positions of the tokens `ids` [b, T]: k x stride + offset after the marker of sentence k (<s{k+1}>;
-    the decoder's one later). `given`: the row's own positions, restarting at 0 for each pair of a packed row
-    (each pair at its marker's slot: the measured try of the warm start's sentences, 54.53; the hooks refuse packed
-    rows now); tokens with no marker before them in their pair (the decoder's start token) keep those."""
+    the decoder's one later); stride 0: the offset alone (each sentence placed as a sentence pair). `given`: the
+    row's own positions, restarting at 0 for each pair of a packed row (each pair at its marker's slot: the measured
+    try of the warm start's sentences, 54.53; the hooks refuse packed rows now); tokens with no marker before them in
+    their pair (the decoder's start token) keep those."""
     index, k, last = _last_marker(ids, markers)
     given = index if given is None else given.expand_as(ids)
     pair_start = torch.where(given == 0, index, torch.zeros_like(index)).cummax(-1).values
     placed = last >= pair_start  # a marker before this token (or it) in its pair
-    within = (index - last + int(decoder)).clamp(max=stride - 1)
-    return torch.where(placed, k * stride + within, given)
+    within = index - last + int(decoder)
+    if stride == 0:  # every sentence from the start, as a sentence pair of the warm start
+        return torch.where(placed, within, given)
+    return torch.where(placed, k * stride + within.clamp(max=stride - 1), given)
 
 
 class SentencePositions:
@@ -91,7 +94,7 @@ class SentencePositions:
 
     def __init__(self, model, marker_ids: list[int], stride: int, local_layers: int = 0):
         rows = model.config.max_position_embeddings
-        if stride * len(marker_ids) > rows:
+        if stride < 0 or stride * len(marker_ids) > rows:
             raise ValueError(
                 f"--sentence_positions: {len(marker_ids)} sentences x stride {stride} = "
                 f"{stride * len(marker_ids)} positions, more than the model's table of {rows}"
@@ -294,7 +297,7 @@ class _Generate:
 def install_from_config(model, tokenizer) -> SentencePositions | None:
     """The hooks of a saved document model trained with --sentence_positions (after `from_pretrained`)."""
     stride = getattr(model.config, "sentence_position_stride", None)
-    if not stride:
+    if stride is None:
         return None
     ids, k = [], 1
     while tokenizer.convert_tokens_to_ids(marker(k)) not in (None, tokenizer.unk_token_id):

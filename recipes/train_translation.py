@@ -174,6 +174,15 @@ class DataArguments:
             "under SP too (the same loss, gradients and tokens as one process, tested); not with --tp_size > 1."
         },
     )
+    sentence_position_stride: str = field(
+        default="auto",
+        metadata={
+            "help": "With the sentence positions: sentence k of a document at k x this + its offset. auto (the "
+            "default): the position table divided by the document's sentences (80 for 32); 0: every sentence from "
+            "position 0, as a sentence pair of the warm start (with every layer local, --sentence_local_layers 3, "
+            "each sentence then reads as in a sentence model)."
+        },
+    )
     sentence_local_layers: str = field(
         default="auto",
         metadata={
@@ -410,6 +419,12 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
             "a document: choose one (--sentence_markers false for <sep>)"
         )
     check_sentence_positions(d, training_args)
+    stride = d.sentence_position_stride
+    if stride != "auto" and not (stride.isdigit() and uses_sentence_positions(d, training_args)):
+        raise ValueError(
+            f"--sentence_position_stride {stride}: auto or a number of positions from 0, with the sentence positions "
+            f"on (here --sentence_positions {d.sentence_positions})"
+        )
     local = d.sentence_local_layers
     if local != "auto" and not (local.isdigit() and 0 <= int(local) <= min(m.encoder_layers, m.decoder_layers)):
         raise ValueError(
@@ -741,10 +756,17 @@ def main(argv=None):
     if uses_sentence_positions(data_args, training_args):  # after the warm start: its sentences at their
         # random marker's slot instead gave 54.53 against 55.23 (docs/translation-experiments.md)
         markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
-        stride = (model.config.max_position_embeddings - 2) // docs
+        stride = (
+            (model.config.max_position_embeddings - 2) // docs
+            if data_args.sentence_position_stride == "auto"
+            else int(data_args.sentence_position_stride)
+        )
         local = sentence_local_layers(model_args, data_args, training_args)
         SentencePositions(model, markers, stride, local)
-        logger.info("sentence positions: sentence k of a document at k x %d + its offset, both sides", stride)
+        logger.info(
+            "sentence positions: %s, both sides",
+            f"sentence k of a document at k x {stride} + its offset" if stride else "each sentence from position 0",
+        )
         if local:
             logger.info("sentence attention: the lower %d layers of each stack attend within each sentence", local)
     elif docs > 1 and data_args.sentence_markers and data_args.sentence_positions == "auto":

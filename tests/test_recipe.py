@@ -88,6 +88,11 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--sentence_positions", "true", "--sentence_markers", "false"],
         "--sentence_positions true: places the sentences of a document by their markers",
     ),
+    "sentence_position_stride without the positions": (
+        ["--document_sentences", "8", "--sentence_position_stride", "0", "--sentence_positions", "false"],
+        "--sentence_position_stride 0: auto or a number of positions from 0, with the sentence positions on (here "
+        "--sentence_positions false)",
+    ),
     "sentence_local_layers past the layers": (
         ["--document_sentences", "8", "--sentence_local_layers", "4"],
         "--sentence_local_layers 4: auto, or from 0 to 3 (the layers of the shallower stack",

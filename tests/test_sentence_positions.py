@@ -44,6 +44,9 @@ def test_the_positions_of_sentences_on_both_sides():
     # the decoder's inputs: the start token at 0, each marker one later than its source's (it predicts the first word)
     decoder = torch.tensor([[0, 50, 5, 6, 51, 8, 9, 9, 52, 10]])
     assert sentence_positions(decoder, MARKERS, 10, True).tolist() == [[0, 1, 2, 3, 11, 12, 13, 14, 21, 22]]
+    # stride 0: every sentence from 0, as a sentence pair (the decoder's marker at 1, after the start token)
+    assert sentence_positions(source, MARKERS, 0, False).tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]]
+    assert sentence_positions(decoder, MARKERS, 0, True).tolist() == [[0, 1, 2, 3, 1, 2, 3, 4, 1, 2]]
     # offsets past the stride are clamped; rows without markers keep their index
     long = torch.tensor([[50] + [5] * 6])
     assert sentence_positions(long, MARKERS, 4, False).tolist() == [[0, 1, 2, 3, 3, 3, 3]]
@@ -72,12 +75,14 @@ def _tiny_document_model(layers: int = 1):
 
 
 @pytest.fixture(
-    scope="module", params=[(1, 0), (2, 1), (1, 1)], ids=["1 layer", "2 layers, the lower local", "1 layer, local"]
+    scope="module",
+    params=[(1, 0, 20), (2, 1, 20), (1, 1, 0)],
+    ids=["1 layer", "2 layers, the lower local", "1 layer, local, every sentence from 0"],
 )
 def document_model(request):
-    layers, local = request.param
+    layers, local, stride = request.param
     model, tokenizer, markers = _tiny_document_model(layers)
-    model.local_layers = local  # the hooks' sentence_local_layers in the tests that take it
+    model.local_layers, model.stride = local, stride  # the hooks' settings in the tests that take them
     model.eval()
     texts = TEXTS
     source = tokenizer(
@@ -98,7 +103,7 @@ def test_generation_sees_the_positions_training_sees(document_model):
     model, tokenizer, markers, source = document_model
     with torch.no_grad():
         plain = model(**source, decoder_input_ids=torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)).logits
-    hooks = SentencePositions(model, markers, 20, model.local_layers)
+    hooks = SentencePositions(model, markers, model.stride, model.local_layers)
     try:
         with torch.no_grad():
             aligned = model(**source, decoder_input_ids=torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)).logits
@@ -141,7 +146,7 @@ def test_a_deep_copy_keeps_positions_of_its_own(document_model):
     import copy
 
     model, tokenizer, markers, source = document_model
-    hooks = SentencePositions(model, markers, 20, model.local_layers)
+    hooks = SentencePositions(model, markers, model.stride, model.local_layers)
     try:
         twin = copy.deepcopy(model)
     finally:
@@ -166,7 +171,7 @@ def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
     model, tokenizer, markers, source = document_model
 
     decoder = torch.tensor([[0, markers[0], 7, markers[1], 8]] * 2)
-    hooks = SentencePositions(model, markers, 20, model.local_layers)
+    hooks = SentencePositions(model, markers, model.stride, model.local_layers)
     try:
         with torch.no_grad():
             expected = model(**source, decoder_input_ids=decoder).logits
@@ -174,7 +179,7 @@ def test_a_saved_model_gets_its_positions_back(document_model, tmp_path):
     finally:
         hooks.remove()
     loaded = MarianMTModel.from_pretrained(tmp_path).eval()
-    assert loaded.config.sentence_position_stride == 20
+    assert loaded.config.sentence_position_stride == model.stride
     assert loaded.config.sentence_local_layers == model.local_layers
     assert install_from_config(loaded, tokenizer) is not None
     with torch.no_grad():
