@@ -1,7 +1,7 @@
-"""The translation recipe's local sentence layers (`--sentence_local_layers`, recipes/sentence_positions.py): the
-time of one training step of the document model, with the lower layers within each sentence on eager or sdpa
-attention, against no local layer (every layer on seqpar_hf's attention, the Trainer's patched model in one
-process, as the recipe runs it).
+"""The translation recipe's local sentence layers (`--sentence_local_layers`, recipes/sentence_positions.py): the time
+of one training step of the document model, with the lower layers within each sentence on eager or sdpa attention,
+every layer within each sentence (at the sentence slots' positions or each from 0), against no local layer (every
+layer on seqpar_hf's attention, the Trainer's patched model in one process, as the recipe runs it).
 
     python -m benchmarks.sentence_local_layers           # ~2 min on 2 CPU cores
     python -m benchmarks.sentence_local_layers --quick   # 2 steps each, prints only
@@ -70,13 +70,19 @@ def main(argv=None) -> dict:
         ),
     }
     optimizer = torch.optim.AdamW(model.parameters())
-    settings = [("no local layer", 0, None), ("2 local, eager", 2, "eager"), ("2 local, sdpa", 2, "sdpa")]
+    settings = [
+        ("no local layer", 0, None, 80),
+        ("2 local, eager", 2, "eager", 80),
+        ("2 local, sdpa", 2, "sdpa", 80),
+        ("3 local, eager", 3, "eager", 80),
+        ("3 local, from 0", 3, "eager", 0),  # --sentence_position_stride 0
+    ]
     results: dict = {}
     for batch_name, (source, labels) in batches.items():
-        times: dict[str, list[float]] = {name: [] for name, _, _ in settings}
+        times: dict[str, list[float]] = {name: [] for name, _, _, _ in settings}
         for _ in range(2):
-            for name, local, implementation in settings:
-                hooks = SentencePositions(model, markers, 80, local)
+            for name, local, implementation, stride in settings:
+                hooks = SentencePositions(model, markers, stride, local)
                 for attention, _ in hooks.plain_configs:
                     attention.config._attn_implementation = implementation
                 step_times = []
