@@ -93,6 +93,11 @@ TRANSLATION = {  # flags: the start of the message
         "--sentence_position_stride 0: auto or a number of positions from 0, with the sentence positions on (here "
         "--sentence_positions false)",
     ),
+    "sentence_position_stride past the table": (
+        ["--document_sentences", "8", "--sentence_position_stride", "81"],
+        "--sentence_position_stride 81: 8 sentences x 81 = 648 positions, more than the model's position table of "
+        "642 (the longer of --max_source_length / --max_target_length, + 2): at most 80, or auto",
+    ),
     "sentence_local_layers past the layers": (
         ["--document_sentences", "8", "--sentence_local_layers", "4"],
         "--sentence_local_layers 4: auto, or from 0 to 3 (the layers of the shallower stack",
@@ -463,7 +468,7 @@ def test_sentence_positions_auto_in_one_process_with_documents_and_markers(recip
 
 
 def test_sentence_local_layers_auto_with_the_positions_in_one_process(recipes, tmp_path):
-    """auto: all but the top layer where the sentence positions are on in one process, else 0; a number as given."""
+    """auto: every layer where the sentence positions are on in one process, else 0; a number as given."""
     from types import SimpleNamespace
 
     recipe = recipes["translation"]
@@ -472,13 +477,30 @@ def test_sentence_local_layers_auto_with_the_positions_in_one_process(recipes, t
         model_args, data_args, _ = _parsed(recipe, list(argv), tmp_path)
         return recipe.sentence_local_layers(model_args, data_args, SimpleNamespace(sp_size=sp, tp_size=1))
 
-    assert local("--document_sentences", "32") == 2
-    assert local("--document_sentences", "32", "--encoder_layers", "6", "--decoder_layers", "4") == 3
+    assert local("--document_sentences", "32") == 3
+    assert local("--document_sentences", "32", "--encoder_layers", "6", "--decoder_layers", "4") == 4
     assert local() == 0  # sentences
     assert local("--document_sentences", "32", "--sentence_positions", "true", sp=2) == 0  # whole sequences only
     assert local("--document_sentences", "32", "--sentence_positions", "false") == 0
     assert local("--document_sentences", "32", "--sentence_local_layers", "1") == 1
     assert local("--document_sentences", "32", "--sentence_local_layers", "0") == 0
+
+
+def test_sentence_position_stride_auto_is_0_where_every_layer_is_local(recipes, tmp_path):
+    """auto: each sentence from 0 where no layer sees another sentence (the default in one process), else the
+    position table over the sentences; a number as given."""
+    from types import SimpleNamespace
+
+    recipe = recipes["translation"]
+
+    def stride(*argv, sp=1):
+        model_args, data_args, _ = _parsed(recipe, ["--document_sentences", "32", *argv], tmp_path)
+        return recipe.sentence_position_stride(model_args, data_args, SimpleNamespace(sp_size=sp, tp_size=1), 2562)
+
+    assert stride() == 0
+    assert stride("--sentence_local_layers", "2") == 80
+    assert stride("--sentence_positions", "true", sp=2) == 80  # no local layer under SP
+    assert stride("--sentence_position_stride", "40") == 40
 
 
 def test_init_from_skips_the_sentence_warm_start_unless_given(recipes, tmp_path):

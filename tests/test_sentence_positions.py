@@ -259,7 +259,7 @@ def _loss_and_gradients(model, loss) -> list[float]:
     return torch.cat([loss.detach().reshape(1), *grads])
 
 
-def _sp_rank(out_dir: str) -> dict:
+def _sp_rank(out_dir: str, stride: int) -> dict:
     import torch.distributed as dist
 
     from recipes.train_translation import RecipeTrainingArguments
@@ -270,7 +270,7 @@ def _sp_rank(out_dir: str) -> dict:
         output_dir=out_dir, sp_size=2, use_cpu=True, report_to=[], label_smoothing_factor=0.0
     )  # the plain model's loss
     trainer = BudgetTrainer(model=model, args=args, train_dataset=[{"input_ids": [2, 1], "labels": [3, 1]}] * 2)
-    SentencePositions(model, markers, 20)  # after the patch, as the recipe does
+    SentencePositions(model, markers, stride)  # after the patch, as the recipe does
     results = {}
     for name, split in (("sequences", None), ("rows", lambda inputs: True)):
         trainer.split_rows = split
@@ -337,16 +337,19 @@ def test_local_layers_train_and_generate_as_the_plain_model_under_the_trainer(tm
 
 
 @pytest.mark.multiprocess
-def test_sp_trains_and_generates_as_one_process(tmp_path):
+@pytest.mark.parametrize("stride", [20, 0], ids=["slots", "each-from-0"])
+def test_sp_trains_and_generates_as_one_process(tmp_path, stride):
     """sp=2: the documents split along their sequences (and the ramp's rows split across the group) give the loss and
-    gradients of one process with the same positions; beam search under SP (the encoder on shards) its tokens."""
+    gradients of one process with the same positions (each sentence at its slot, or each from 0: a shard's tokens
+    get positions from sentences that began on the other rank); beam search under SP (the encoder on shards) its
+    tokens."""
     import numpy as np
 
     from tests.helpers.spawn import spawn
 
-    ranks = spawn(_sp_rank, 2, str(tmp_path))
+    ranks = spawn(_sp_rank, 2, str(tmp_path), stride)
     model, markers, batch, generation = _sp_case()
-    hooks = SentencePositions(model, markers, 20)
+    hooks = SentencePositions(model, markers, stride)
     expected = _loss_and_gradients(model, model(**batch).loss).numpy()
     model.eval()
     tokens = model.generate(**generation).tolist()
