@@ -58,7 +58,8 @@ def plot(
     plt = pyplot()
     height = 5.5 + 0.15 * max(0, len(run_dirs) + len(baselines) - 6)
     if steps_panel:
-        fig, (ax, by_steps) = plt.subplots(1, 2, figsize=(13, height), gridspec_kw={"width_ratios": [3, 2]})
+        # wide: the steps panel's names stand in a column right of it
+        fig, (ax, by_steps) = plt.subplots(1, 2, figsize=(17, height), gridspec_kw={"width_ratios": [3, 2]})
     else:
         fig, ax = plt.subplots(figsize=(8, height))
     stars = []
@@ -117,20 +118,32 @@ def plot(
     if steps_panel:
         for value, _ in baselines:
             by_steps.axhline(value, color="black", linestyle="--", linewidth=0.8)
-        placed: list[tuple[int, float]] = []
-        for run_dir, summary, color in zip(run_dirs, summaries, colors):
-            near = any(abs(summary["steps"] - x) < 800 and abs(summary["test_bleu"] - y) < 0.4 for x, y in placed)
-            placed.append((summary["steps"], summary["test_bleu"]))
+        # the names in one column right of the panel, in the order of their BLEU, each at its star's height
+        # where the others leave room, a thin line to its star: none overlaps however close the runs are
+        order = sorted(range(len(summaries)), key=lambda i: -summaries[i]["test_bleu"])
+        bleus = [summaries[i]["test_bleu"] for i in order]
+        gap = max(0.45, (max(bleus) - min(bleus)) / max(len(bleus), 1) * 0.9)
+        heights: list[float] = []
+        for bleu in bleus:  # down from the best, at least `gap` apart
+            heights.append(min(bleu, heights[-1] - gap) if heights else bleu)
+        for k in range(len(heights) - 2, -1, -1):  # back up where the column ran below the lowest star
+            heights[k] = max(heights[k], heights[k + 1] + gap) if heights[-1] < min(bleus) - gap else heights[k]
+        for i, height in zip(order, heights):
+            summary, color = summaries[i], colors[i]
             by_steps.scatter([summary["steps"]], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3)
             by_steps.annotate(
-                f"{run_name(run_dir)} {summary['test_bleu']:.2f}",
+                f"{run_name(run_dirs[i])} {summary['test_bleu']:.2f}",
                 (summary["steps"], summary["test_bleu"]),
-                textcoords="offset points",
-                xytext=(6, 7 if near else -3),  # above where a run close by already has its name
+                xytext=(1.03, height),
+                textcoords=("axes fraction", "data"),
+                va="center",
                 color=color,
                 fontsize=7,
+                arrowprops={"arrowstyle": "-", "color": color, "alpha": 0.4, "linewidth": 0.6},
             )
-        by_steps.margins(x=0.3)  # room for the names right of the points
+        shown = [*heights, *bleus, *(value for value, _ in baselines)]
+        by_steps.set_ylim(min(shown) - gap, max(shown) + gap)
+        by_steps.margins(x=0.1)
         by_steps.set_xlabel("steps trained (after a warm start on sentences: steps on documents)")
         by_steps.set_ylabel(f"test BLEU (beam {beams})")
         by_steps.grid(alpha=0.3)
