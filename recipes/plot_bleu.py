@@ -126,8 +126,6 @@ def plot(
         heights: list[float] = []
         for bleu in bleus:  # down from the best, at least `gap` apart
             heights.append(min(bleu, heights[-1] - gap) if heights else bleu)
-        for k in range(len(heights) - 2, -1, -1):  # back up where the column ran below the lowest star
-            heights[k] = max(heights[k], heights[k + 1] + gap) if heights[-1] < min(bleus) - gap else heights[k]
         for i, height in zip(order, heights):
             summary, color = summaries[i], colors[i]
             by_steps.scatter([summary["steps"]], [summary["test_bleu"]], marker="*", s=140, color=color, zorder=3)

@@ -427,8 +427,7 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
             f"on (here --sentence_positions {d.sentence_positions})"
         )
     if stride.isdigit():  # here, not when the hooks install after the warm start: build_model's table
-        docs = d.document_sentences
-        table = max(d.max_source_length or 80 * docs, d.max_target_length or 80 * docs) + 2
+        docs, table = d.document_sentences, max(max_lengths(d)) + 2  # build_model's
         if int(stride) * docs > table:
             raise ValueError(
                 f"--sentence_position_stride {stride}: {docs} sentences x {stride} = {int(stride) * docs} positions, "
@@ -436,9 +435,9 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
                 f"--max_target_length, + 2): at most {table // docs}, or auto"
             )
     local = d.sentence_local_layers
-    if local != "auto" and not (local.isdigit() and 0 <= int(local) <= min(m.encoder_layers, m.decoder_layers)):
+    if local != "auto" and not (local.isdigit() and 0 <= int(local) <= shallower_stack(m)):
         raise ValueError(
-            f"--sentence_local_layers {local}: auto, or from 0 to {min(m.encoder_layers, m.decoder_layers)} (the "
+            f"--sentence_local_layers {local}: auto, or from 0 to {shallower_stack(m)} (the "
             "layers of the shallower stack; the layers above those attend over the whole document)"
         )
     if local not in ("auto", "0") and (not uses_sentence_positions(d, training_args) or training_args.sp_size > 1):
@@ -551,6 +550,17 @@ def uses_sentence_positions(data_args, training_args) -> bool:
     return documents and training_args.sp_size == 1 and training_args.tp_size == 1  # measured in one process
 
 
+def shallower_stack(model_args) -> int:
+    """The layers a document's sentences can be local in: those of the shallower stack."""
+    return min(model_args.encoder_layers, model_args.decoder_layers)
+
+
+def max_lengths(data_args) -> tuple[int, int]:
+    """(source, target) tokens per example, 0 resolved: 80 per sentence of a document."""
+    docs = data_args.document_sentences
+    return data_args.max_source_length or 80 * docs, data_args.max_target_length or 80 * docs
+
+
 def sentence_local_layers(model_args, data_args, training_args) -> int:
     """--sentence_local_layers resolved (checked flags): auto is every layer where the sentence positions are on in
     one process, else 0."""
@@ -558,7 +568,7 @@ def sentence_local_layers(model_args, data_args, training_args) -> int:
         return int(data_args.sentence_local_layers)
     if not uses_sentence_positions(data_args, training_args) or training_args.sp_size > 1:
         return 0
-    return min(model_args.encoder_layers, model_args.decoder_layers)
+    return shallower_stack(model_args)
 
 
 def sentence_position_stride(model_args, data_args, training_args, table: int) -> int:
@@ -567,8 +577,7 @@ def sentence_position_stride(model_args, data_args, training_args, table: int) -
     Marian's offset) over the document's sentences."""
     if data_args.sentence_position_stride != "auto":
         return int(data_args.sentence_position_stride)
-    every = min(model_args.encoder_layers, model_args.decoder_layers)
-    if sentence_local_layers(model_args, data_args, training_args) == every:
+    if sentence_local_layers(model_args, data_args, training_args) == shallower_stack(model_args):
         return 0
     return (table - 2) // data_args.document_sentences
 
@@ -659,8 +668,7 @@ def main(argv=None):
 
     docs = data_args.document_sentences
     document_defaults(data_args, training_args, argv or sys.argv)
-    max_source = data_args.max_source_length or 80 * docs
-    max_target = data_args.max_target_length or 80 * docs
+    max_source, max_target = max_lengths(data_args)
     if (
         data_args.pack_tokens
         and training_args.train_sampling_strategy == "group_by_length"
@@ -785,7 +793,7 @@ def main(argv=None):
             "sentence positions: %s, both sides",
             f"sentence k of a document at k x {stride} + its offset" if stride else "each sentence from position 0",
         )
-        if local == min(model_args.encoder_layers, model_args.decoder_layers):
+        if local == shallower_stack(model_args):
             logger.info("sentence attention: every layer within each sentence (no layer sees another sentence)")
         elif local:
             logger.info("sentence attention: the lower %d layers of each stack attend within each sentence", local)
