@@ -60,6 +60,12 @@ def sentence_index(ids: torch.Tensor, markers: torch.Tensor) -> torch.Tensor:
     return torch.where(last >= 0, k, torch.zeros_like(k))
 
 
+def pair_index(given: torch.Tensor) -> torch.Tensor:
+    """[b, T] the pair of each token of packed rows, from their positions that restart at 0 for every pair (the
+    padding after the last pair: a pair per token, whose keys the source's mask hides and whose labels are -100)."""
+    return (given == 0).long().cumsum(-1) - 1
+
+
 def local_mask(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
     """[b, 1, q, k] True where a query of sentence i may attend: keys of sentence i (and, causal, not later: the
     queries are the last q of the k keys)."""
@@ -76,9 +82,9 @@ def sentence_positions(
 ) -> torch.Tensor:
     """[b, T] positions of the tokens `ids` [b, T]: k x stride + offset after the marker of sentence k (<s{k+1}>;
     the decoder's one later); stride 0: the offset alone (each sentence placed as a sentence pair). `given`: the
-    row's own positions, restarting at 0 for each pair of a packed row (each pair at its marker's slot: the measured
-    try of the warm start's sentences, 54.53; the hooks refuse packed rows now); tokens with no marker before them in
-    their pair (the decoder's start token) keep those."""
+    row's own positions, restarting at 0 for each pair of a packed row (each pair placed by its own marker: a
+    document's sentences packed as pairs, recipes/document_sentences.py); tokens with no marker before them in their
+    pair (the decoder's start token) keep those."""
     index, k, last = _last_marker(ids, markers)
     given = index if given is None else given.expand_as(ids)
     pair_start = torch.where(given == 0, index, torch.zeros_like(index)).cummax(-1).values
@@ -103,6 +109,7 @@ class SentencePositions:
         self.current: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}
         self.pending: torch.Tensor | None = None  # generation: this step's decoder positions
         self.inside = False  # in the model's forward, whose hook saw the whole inputs
+        self.packed = False  # that forward's rows are packed pairs (placed and grouped per pair)
         self.step = False  # that forward is a decoding step: the decoder's positions are its own tokens'
         self.generating = False  # in generate, whose wrapper placed the whole source (the encoder may get a shard)
         self.groups: dict[str, torch.Tensor | None] = {"encoder": None, "decoder": None}  # sentence of each token
@@ -160,13 +167,9 @@ class SentencePositions:
         self.inside = False
 
     def _model(self, module, args, kwargs):
-        self.inside, self.step = True, False
+        self.inside, self.step, self.packed = True, False, False
         if kwargs.get("position_ids") is not None or kwargs.get("decoder_position_ids") is not None:
-            # the tables are gathered at sequence indices, which packed rows' restarting positions are not
-            raise ValueError(
-                "--sentence_positions: packed rows (position_ids) are not placed by sentence; install the "
-                "positions after the packed sentence warm start, as the recipe does"
-            )
+            return self._packed(kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:
             self.current["encoder"] = self.positions(ids, decoder=False)
@@ -183,6 +186,23 @@ class SentencePositions:
         self.current["decoder"] = None if dec is None else self.positions(dec, decoder=True)
         self.groups["decoder"] = None if dec is None else sentence_index(dec, self.markers)
         return None
+
+    def _packed(self, kwargs) -> None:
+        """Packed rows (seqpar_hf's convention, `Seq2SeqPackingCollator`): each pair placed by its own marker from
+        the positions that restart per pair, and each pair a sentence of its own for the local layers (pair i of
+        the targets with pair i of the sources); the decoder inputs must be given, each pair's own."""
+        ids, decoder = kwargs.get("input_ids"), kwargs.get("decoder_input_ids")
+        given, decoder_given = kwargs.get("position_ids"), kwargs.get("decoder_position_ids")
+        if ids is None or decoder is None or given is None or decoder_given is None:
+            raise ValueError(
+                "--sentence_positions: packed rows need input_ids, decoder_input_ids, position_ids and "
+                "decoder_position_ids (seqpar_hf.Seq2SeqPackingCollator's rows, its decoder_start_token_id given)"
+            )
+        self.packed = True
+        self.current["encoder"] = self.positions(ids, decoder=False, given=given)
+        self.current["decoder"] = self.positions(decoder, decoder=True, given=decoder_given)
+        self.groups["encoder"], self.groups["decoder"] = pair_index(given), pair_index(decoder_given)
+        self.source_mask = kwargs.get("attention_mask")
 
     def _encoder(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -204,8 +224,10 @@ class SentencePositions:
             return None
         shape = (tuple(args[0]) if args else tuple(kwargs["input_ids_shape"]))[:2]
         given = kwargs.get("position_ids")
-        if (side == "decoder" and self.step) or given is None:
-            positions = table  # a decoding step's own tokens; an encoder given no ids: the whole sequence
+        if (side == "decoder" and self.step) or given is None or self.packed:
+            # a decoding step's own tokens; an encoder given no ids: the whole sequence; packed rows: the given
+            # positions restart per pair, they index no table (one process: the row is whole)
+            positions = table
         else:  # the indices of this call's tokens in the whole sequence (this rank's shard under SP; padding 0)
             index = given.to(table.device).clamp(max=table.shape[1] - 1)
             positions = table[:, index] if index.dim() == 1 else table.gather(1, index)

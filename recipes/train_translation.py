@@ -54,6 +54,7 @@ from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
 if __package__:  # imported as recipes.train_translation (tests, benchmarks)
     from . import recipe_checks, translation_data
+    from .document_sentences import documents_as_sentences
     from .sentence_positions import SentencePositions
     from .translation_training import (
         BudgetTrainer,
@@ -72,6 +73,7 @@ if __package__:  # imported as recipes.train_translation (tests, benchmarks)
 else:  # launched as a script: its folder is on sys.path
     import recipe_checks
     import translation_data
+    from document_sentences import documents_as_sentences
     from sentence_positions import SentencePositions
     from translation_training import (
         BudgetTrainer,
@@ -89,6 +91,7 @@ else:  # launched as a script: its folder is on sys.path
     )
 
 ROOT = Path(__file__).resolve().parent.parent
+SENTENCE_ROW_TOKENS = 128  # packed rows of the documents' sentences (--document_training sentences), the main command's
 logger = logging.getLogger("train_translation")
 
 
@@ -195,6 +198,19 @@ class DataArguments:
             "sentence model reading a document in one row: Tatoeba's 32 consecutive pairs are unrelated, and the "
             "top layer's view of them measured no gain), else 0; 0: every layer over the whole document. One "
             "process only (their masks are over whole sequences)."
+        },
+    )
+    document_training: str = field(
+        default="auto",
+        metadata={
+            "help": "How the documents train. sentences: each sentence of every training document an example of its "
+            "own in the document's form (its marker and positions, its decoder inputs from the document, the next "
+            "marker or </s> to predict), sampled across documents and packed into rows of 128 tokens: where every "
+            "layer is within its sentence the same loss and gradients as whole documents (tested), without the "
+            "attention over whole rows, and no warm start or ramp needed (recipes/document_sentences.py); whole: "
+            "whole documents (after the warm start, through --document_ramp); auto (the default): sentences where "
+            "every layer is local (one process) and no --document_ramp is given, else whole.",
+            "choices": ["auto", "whole", "sentences"],
         },
     )
     sentence_separator: bool = field(
@@ -446,6 +462,7 @@ def check_args(model_args: ModelArguments, data_args: DataArguments, training_ar
             f"--sentence_positions {d.sentence_positions}, --sp_size {training_args.sp_size}): its masks are over "
             "whole sequences, which SP shards"
         )
+    check_document_training(m, d, training_args)
     pack = packed_row_tokens(d)
     if pack and d.document_sentences > 1:
         raise ValueError(
@@ -542,6 +559,37 @@ def check_sentence_positions(d, training_args) -> None:
         )
 
 
+def check_document_training(model_args, d, training_args) -> None:
+    """--document_training sentences: every layer local (each sentence's terms its own), no pieces to cut."""
+    if d.document_training != "sentences":
+        return
+    if sentence_local_layers(model_args, d, training_args) != shallower_stack(model_args):
+        raise ValueError(
+            "--document_training sentences: trains each sentence of a document alone, which gives the documents' "
+            "loss only where no layer sees another sentence: it needs the sentence positions in one process with "
+            f"every layer local (here --document_sentences {d.document_sentences}, --sentence_positions "
+            f"{d.sentence_positions}, --sentence_local_layers {d.sentence_local_layers}, --sp_size "
+            f"{training_args.sp_size}); or --document_training whole"
+        )
+    if d.document_ramp not in ("auto", "none", "") or d.document_ramp_mix:
+        raise ValueError(
+            f"--document_ramp {d.document_ramp}{' --document_ramp_mix true' if d.document_ramp_mix else ''}: cuts "
+            "whole documents into pieces; --document_training sentences trains their sentences, none whole: leave "
+            "it out, or --document_training whole"
+        )
+
+
+def trains_sentences(model_args, data_args, training_args) -> bool:
+    """--document_training resolved (checked flags): auto is sentences where every layer is local."""
+    if data_args.document_sentences == 1 or data_args.document_training == "whole":
+        return False
+    if data_args.document_training == "sentences":
+        return True
+    if data_args.document_ramp not in ("auto", "none", "") or data_args.document_ramp_mix:
+        return False  # pieces asked for: they are cut from whole documents
+    return sentence_local_layers(model_args, data_args, training_args) == shallower_stack(model_args)
+
+
 def uses_sentence_positions(data_args, training_args) -> bool:
     """--sentence_positions resolved: auto is on for documents with markers in one process (checked flags)."""
     if data_args.sentence_positions != "auto":
@@ -582,12 +630,12 @@ def sentence_position_stride(model_args, data_args, training_args, table: int) -
     return (table - 2) // data_args.document_sentences
 
 
-def warmup_minutes(data_args) -> float:
-    """Minutes of the sentence-level warm start (documents only)."""
+def warmup_minutes(data_args, sentences: bool = False) -> float:
+    """Minutes of the sentence-level warm start (documents only; `sentences`: they train as their sentences)."""
     if data_args.document_sentences == 1 or data_args.sentence_warmup_minutes == 0:
         return 0.0
-    if data_args.init_from and data_args.sentence_warmup_minutes < 0:
-        return 0.0  # the model it starts from translates sentences already
+    if (data_args.init_from or sentences) and data_args.sentence_warmup_minutes < 0:
+        return 0.0  # the model it starts from translates sentences already; the documents are trained as sentences
     if data_args.sentence_warmup_minutes < 0:
         # 8.2 of 41 minutes: 8 measured best (54.64 against 53.95 / 52.70 with 2 / 4, 50.24 with 14; recipes/README.md)
         return round(data_args.max_train_minutes / 5, 2) if data_args.max_train_minutes > 0 else 0.0
@@ -626,13 +674,16 @@ def check_splits(splits, data_args: DataArguments, evaluating: bool) -> None:
 DOCUMENT_TEST_BEAMS = 8  # the test's beams for documents (document_defaults)
 
 
-def document_defaults(data_args, training_args, argv: list[str]) -> None:
-    """With --document_sentences N > 1, the defaults the documents need, each unless its flag is in `argv`."""
+def document_defaults(data_args, training_args, argv: list[str], sentences: bool = False) -> None:
+    """With --document_sentences N > 1, the defaults the documents need, each unless its flag is in `argv`
+    (`sentences`: the documents train as their sentences, one per example)."""
     docs = data_args.document_sentences
     if docs == 1:
         return
     # keep ~the same number of sentences per step and per evaluation as one sentence per row
     per_train_document = (docs + 1) / 2 if data_args.mixed_documents else docs  # sentences, on average
+    if sentences:
+        per_train_document = 1
     for name, default in DEFAULT_BATCH.items():
         if getattr(training_args, name) == default:
             # generation: 4x the sentences per batch, so 4x fewer sequential decoding steps (each a round of
@@ -667,10 +718,11 @@ def main(argv=None):
     choose_precision(data_args.precision, training_args)
 
     docs = data_args.document_sentences
-    document_defaults(data_args, training_args, argv or sys.argv)
+    sentences = trains_sentences(model_args, data_args, training_args)
+    document_defaults(data_args, training_args, argv or sys.argv, sentences)
     max_source, max_target = max_lengths(data_args)
     if (
-        data_args.pack_tokens
+        (data_args.pack_tokens or sentences)
         and training_args.train_sampling_strategy == "group_by_length"
         and "--train_sampling_strategy" not in (argv or sys.argv)
     ):
@@ -728,8 +780,22 @@ def main(argv=None):
     training_args.generation_max_length = max_target
     metric = bleu_metric()
     columns = ["input_ids", "attention_mask", "labels"]
+    columns_train = columns
     padded = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
-    if data_args.pack_tokens:
+    if sentences:
+        markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
+        train = documents_as_sentences(train, markers, model.config.decoder_start_token_id)
+        columns_train = ["input_ids", "attention_mask", "decoder_input_ids", "labels"]
+        train_collator = Seq2SeqPackingCollator(
+            SENTENCE_ROW_TOKENS, tokenizer.pad_token_id, model.config.decoder_start_token_id
+        )
+        logger.info(
+            "training on the documents' %d sentences, each in its document's form, packed into rows of up to %d "
+            "tokens per side (every layer within each sentence: the whole documents' loss and gradients)",
+            len(train),
+            SENTENCE_ROW_TOKENS,
+        )
+    elif data_args.pack_tokens:
         train_collator = Seq2SeqPackingCollator(
             data_args.pack_tokens,
             tokenizer.pad_token_id,
@@ -739,13 +805,13 @@ def main(argv=None):
         logger.info("training on packed rows of up to %d tokens per side", data_args.pack_tokens)
     else:
         train_collator = padded
-    warm = warmup_minutes(data_args)
+    warm = warmup_minutes(data_args, sentences)
     if (warm > 0 or data_args.init_from) and "--warmup_steps" not in (argv or sys.argv):
         training_args.warmup_steps = 100  # the optimizer starts fresh on a model that already translates
     budget = seqpar_hf.TimeBudgetCallback(
         data_args.max_train_minutes - warm if data_args.max_train_minutes else 0, data_args.eval_every_minutes
     )
-    ramp = ramp_steps(data_args)
+    ramp = [] if sentences else ramp_steps(data_args)
     if ramp:
         markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
         train_collator = DocumentRamp(
@@ -763,7 +829,7 @@ def main(argv=None):
     trainer = BudgetTrainer(
         model=model,
         args=training_args,
-        train_dataset=train.select_columns(columns),
+        train_dataset=train.select_columns(columns_train),
         eval_dataset=validation.select_columns(columns),
         processing_class=tokenizer,
         data_collator=counter,

@@ -165,3 +165,13 @@ def test_four_dimensional_masks_point_to_packing():
     batch["attention_mask"] = torch.ones(1, 1, 31, 31, dtype=torch.bool)
     with pytest.raises(ValueError, match="2D padding masks.*restarting position_ids"):
         _patched("llama")(**batch)
+
+
+def test_seq2seq_collator_takes_the_decoder_inputs_a_pair_gives():
+    """A pair's own decoder inputs (a document's later sentence starts at its marker, not behind a start token)."""
+    features = [{"input_ids": [5, 6], "labels": [8, 9], "decoder_input_ids": [7, 8]}, {"input_ids": [5], "labels": [4]}]
+    assert Seq2SeqPackingCollator(12, 0, 2)(features)["decoder_input_ids"].tolist() == [[7, 8, 2]]
+    with pytest.raises(ValueError, match="pair 0 has 1 decoder_input_ids for 2 labels; give one per label"):
+        Seq2SeqPackingCollator(12, 0, 2)([{"input_ids": [5], "labels": [8, 9], "decoder_input_ids": [7]}])
+    with pytest.raises(ValueError, match="some pairs give decoder_input_ids and others none, with no decoder_start"):
+        Seq2SeqPackingCollator(12, 0, None)(features)

@@ -106,6 +106,17 @@ TRANSLATION = {  # flags: the start of the message
         ["--document_sentences", "8", "--sentence_local_layers", "1", "--sentence_positions", "false"],
         "--sentence_local_layers 1: with the sentence positions in one process (here --sentence_positions false",
     ),
+    "document_training sentences with a global layer": (
+        ["--document_sentences", "8", "--document_training", "sentences", "--sentence_local_layers", "2"],
+        "--document_training sentences: trains each sentence of a document alone, which gives the documents' loss "
+        "only where no layer sees another sentence: it needs the sentence positions in one process with every layer "
+        "local (here --document_sentences 8, --sentence_positions auto, --sentence_local_layers 2, --sp_size 1); or "
+        "--document_training whole",
+    ),
+    "document_training sentences with a ramp": (
+        ["--document_sentences", "8", "--document_training", "sentences", "--document_ramp", "48"],
+        "--document_ramp 48: cuts whole documents into pieces; --document_training sentences trains their sentences,",
+    ),
     "init_from no model": (["--init_from", "/nonexistent/run"], "--init_from /nonexistent/run: no saved model there"),
     "max_length_a -1": (["--max_length_a", "-1"], "--max_length_a -1.0: must be >= 0 (a translation stops after"),
     "max_length_b -3": (["--max_length_b", "-3"], "--max_length_b -3: must be >= 0"),
@@ -501,6 +512,28 @@ def test_sentence_position_stride_auto_is_0_where_every_layer_is_local(recipes, 
     assert stride("--sentence_local_layers", "2") == 80
     assert stride("--sentence_positions", "true", sp=2) == 80  # no local layer under SP
     assert stride("--sentence_position_stride", "40") == 40
+
+
+def test_documents_train_as_their_sentences_where_every_layer_is_local(recipes, tmp_path):
+    """--document_training auto: sentences where every layer is local (the one-process default) and no ramp is asked
+    for, else whole; then no warm start unless given, and 96 sentences a step."""
+    from types import SimpleNamespace
+
+    recipe = recipes["translation"]
+
+    def resolved(*argv, sp=1):
+        model_args, data_args, training_args = _parsed(recipe, list(argv), tmp_path)
+        sentences = recipe.trains_sentences(model_args, data_args, SimpleNamespace(sp_size=sp, tp_size=1))
+        recipe.document_defaults(data_args, training_args, list(argv), sentences)
+        return sentences, recipe.warmup_minutes(data_args, sentences), training_args.per_device_train_batch_size
+
+    assert resolved("--document_sentences", "32") == (True, 0.0, 96)
+    assert resolved("--document_sentences", "32", "--sentence_warmup_minutes", "3") == (True, 3.0, 96)
+    assert resolved("--document_sentences", "32", "--sentence_local_layers", "2") == (False, 5.2, 3)
+    assert resolved("--document_sentences", "32", "--document_training", "whole") == (False, 5.2, 3)
+    assert resolved("--document_sentences", "32", "--document_ramp", "48,96") == (False, 5.2, 3)
+    assert resolved("--document_sentences", "32", "--sentence_positions", "true", sp=2)[0] is False
+    assert resolved()[0] is False  # sentence pairs
 
 
 def test_init_from_skips_the_sentence_warm_start_unless_given(recipes, tmp_path):

@@ -220,11 +220,11 @@ def test_local_layers_attend_within_each_sentence():
         hooks.remove()
 
 
-def test_sentences_past_the_position_table_and_packed_rows_are_refused(document_model):
+def test_sentences_past_the_position_table_and_packed_rows_without_their_decoder_inputs_are_refused(document_model):
     model, _, markers, source = document_model
     hooks = SentencePositions(model, markers, 20)
-    try:
-        with pytest.raises(ValueError, match=r"^--sentence_positions: packed rows \(position_ids\) are not placed"):
+    try:  # a packed row's decoder inputs and their positions are each pair's own: the hooks cannot make them
+        with pytest.raises(ValueError, match=r"^--sentence_positions: packed rows need input_ids, decoder_input_ids, "):
             model(**source, decoder_input_ids=source["input_ids"][:, :3], position_ids=source["input_ids"] * 0)
     finally:
         hooks.remove()
@@ -362,3 +362,45 @@ def test_sp_trains_and_generates_as_one_process(tmp_path, stride):
             np.testing.assert_allclose(np.array(rank[name]), expected, rtol=1e-4, atol=1e-6, err_msg=name)
         assert rank["generated"] == tokens
     assert all(tokens[i][1] == markers[0] and tokens[i][4] == markers[1] for i in range(len(tokens)))
+
+
+# -- documents trained as their sentences (recipes/document_sentences.py) ---------------------------------------------
+def _documents_as_sentences_rank(out_dir: str, stride: int) -> dict:
+    """The recipe's one process: the Trainer's patched model (sp=1), every layer local; the documents' loss and
+    gradients from whole documents and from their sentences packed (in another order) into rows of 24 tokens."""
+    from recipes.document_sentences import documents_as_sentences
+    from recipes.train_translation import RecipeTrainingArguments
+    from recipes.translation_training import BudgetTrainer
+    from seqpar_hf.training.packing import Seq2SeqPackingCollator
+
+    model, markers, batch, _ = _sp_case(2)
+    args = RecipeTrainingArguments(output_dir=out_dir, sp_size=1, use_cpu=True, report_to=[], label_smoothing_factor=0)
+    trainer = BudgetTrainer(model=model, args=args, train_dataset=[{"input_ids": [2, 1], "labels": [3, 1]}] * 2)
+    SentencePositions(model, markers, stride, 2)
+    documents = {
+        "input_ids": [row[row != 0].tolist() for row in batch["input_ids"][:2]],  # the two with markers
+        "labels": [row[row != -100].tolist() for row in batch["labels"][:2]],
+    }
+    whole = {k: v[:2] for k, v in batch.items()}
+    result = {"whole": _loss_and_gradients(model, trainer.compute_loss(trainer.model, whole)).tolist()}
+    sentences = documents_as_sentences(documents, markers, model.config.decoder_start_token_id)
+    features = [sentences[i] for i in reversed(range(len(sentences)))]
+    packed = Seq2SeqPackingCollator(24, 0, model.config.decoder_start_token_id)(features)
+    result["rows"] = packed["input_ids"].shape[0]
+    model.zero_grad()
+    result["sentences"] = _loss_and_gradients(model, trainer.compute_loss(trainer.model, packed)).tolist()
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stride", [0, 20], ids=["each-from-0", "slots"])
+def test_documents_train_as_their_sentences_packed(tmp_path, stride):
+    """Every layer local: a document's sentences, each an example of its own (its marker, its decoder inputs from
+    the document, the next marker to predict) packed into rows, give the whole documents' loss and gradients."""
+    import numpy as np
+
+    from tests.helpers.spawn import spawn
+
+    (rank,) = spawn(_documents_as_sentences_rank, 1, str(tmp_path), stride)
+    assert rank["rows"] > 1  # several sentences per row, a document's across rows
+    np.testing.assert_allclose(np.array(rank["sentences"]), np.array(rank["whole"]), rtol=1e-5, atol=1e-6)

@@ -62,7 +62,9 @@ class Seq2SeqPackingCollator:
     Every pair of the batch lands in exactly one row (see `pack_pairs`), so a step sees the same pairs
     as unpacked, with (almost) no padding. `pad_to_multiple_of` pads the row length (e.g. to the SP size).
 
-    `decoder_start_token_id=None` leaves `decoder_input_ids` out, and the patched model builds each pair's
+    A feature's own `decoder_input_ids` (one per label) are used as given: pairs whose decoder inputs are not their
+    labels shifted behind one start token (a document's sentence after the first, which starts at its marker).
+    Otherwise `decoder_start_token_id=None` leaves `decoder_input_ids` out, and the patched model builds each pair's
     from its labels with the model's own builder: the choice for models whose targets do not start with
     one fixed token (mBART starts each with its language code, its last label).
     """
@@ -96,7 +98,9 @@ class Seq2SeqPackingCollator:
             "decoder_attention_mask": torch.zeros(n, tgt_w, dtype=torch.long),
             "decoder_position_ids": torch.zeros(n, tgt_w, dtype=torch.long),
         }
-        if self.start is not None:
+        if self.start is not None or any("decoder_input_ids" in f for f in features):
+            if not all("decoder_input_ids" in f for f in features) and self.start is None:
+                raise ValueError("some pairs give decoder_input_ids and others none, with no decoder_start_token_id")
             out["decoder_input_ids"] = torch.full((n, tgt_w), self.pad, dtype=torch.long)
         for r, row in enumerate(rows):
             s = t = 0
@@ -106,7 +110,14 @@ class Seq2SeqPackingCollator:
                 out["attention_mask"][r, s : s + len(src)] = 1
                 out["position_ids"][r, s : s + len(src)] = torch.arange(len(src))
                 out["labels"][r, t : t + len(tgt)] = torch.tensor(tgt)
-                if self.start is not None:
+                if "decoder_input_ids" in features[i]:  # the pair's own, as the caller built them
+                    shifted = list(features[i]["decoder_input_ids"])
+                    if len(shifted) != len(tgt):
+                        raise ValueError(
+                            f"pair {i} has {len(shifted)} decoder_input_ids for {len(tgt)} labels; give one per label"
+                        )
+                    out["decoder_input_ids"][r, t : t + len(tgt)] = torch.tensor(shifted)
+                elif self.start is not None:
                     shifted = [self.start] + [x if x != IGNORE_INDEX else self.pad for x in tgt[:-1]]
                     out["decoder_input_ids"][r, t : t + len(tgt)] = torch.tensor(shifted)
                 out["decoder_attention_mask"][r, t : t + len(tgt)] = 1
