@@ -1,7 +1,9 @@
 """The translation recipe's local sentence layers (`--sentence_local_layers`, recipes/sentence_positions.py): the time
 of one training step of the document model, with the lower layers within each sentence on eager or sdpa attention,
-every layer within each sentence (at the sentence slots' positions or each from 0), against no local layer (every
-layer on seqpar_hf's attention, the Trainer's patched model in one process, as the recipe runs it).
+every layer within each sentence (at the sentence slots' positions or each from 0, or the same sentences each an
+example in its document's form packed into rows of 128 tokens, as `--document_training sentences` trains them),
+against no local layer (every layer on seqpar_hf's attention, the Trainer's patched model in one process, as the
+recipe runs it).
 
     python -m benchmarks.sentence_local_layers           # ~2 min on 2 CPU cores
     python -m benchmarks.sentence_local_layers --quick   # 2 steps each, prints only
@@ -26,10 +28,13 @@ import torch.distributed as dist
 
 import seqpar_hf
 from recipes import translation_data
+from recipes.document_sentences import sentence_examples
 from recipes.sentence_positions import SentencePositions
 from recipes.translation_training import build_model
+from seqpar_hf.training.packing import Seq2SeqPackingCollator
 
 OUT = Path(__file__).parent / "results" / "sentence_local_layers.json"
+SENTENCES = "3 local, from 0, as packed sentences"  # the same sentences in rows of 128 (recipes/document_sentences.py)
 
 
 def main(argv=None) -> dict:
@@ -76,6 +81,7 @@ def main(argv=None) -> dict:
         ("2 local, sdpa", 2, "sdpa", 80),
         ("3 local, eager", 3, "eager", 80),
         ("3 local, from 0", 3, "eager", 0),  # --sentence_position_stride 0
+        (SENTENCES, 3, "eager", 0),  # --document_training sentences
     ]
     results: dict = {}
     for batch_name, (source, labels) in batches.items():
@@ -85,14 +91,21 @@ def main(argv=None) -> dict:
                 hooks = SentencePositions(model, markers, stride, local)
                 for attention, _ in hooks.plain_configs:
                     attention.config._attn_implementation = implementation
+                inputs = {"input_ids": source, "attention_mask": torch.ones_like(source), "labels": labels}
+                if name == SENTENCES:  # the documents' sentences, each in its document's form, packed
+                    examples = [
+                        example
+                        for src, tgt in zip(source.tolist(), labels.tolist())
+                        for example in sentence_examples(src, tgt, markers, model.config.decoder_start_token_id)
+                    ]
+                    inputs = Seq2SeqPackingCollator(128, tokenizer.pad_token_id, model.config.decoder_start_token_id)(
+                        examples
+                    )
                 step_times = []
                 for _ in range(steps):
                     start = time.perf_counter()
                     with torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = model(
-                            input_ids=source, attention_mask=torch.ones_like(source), labels=labels,
-                            label_smoothing=0.1,
-                        ).loss  # fmt: skip
+                        loss = model(**inputs, label_smoothing=0.1).loss
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
@@ -101,7 +114,7 @@ def main(argv=None) -> dict:
                 times[name].append(1000 * statistics.median(step_times[2:]))
         results[batch_name] = {name: [round(t, 1) for t in value] for name, value in times.items()}
         for name, value in results[batch_name].items():
-            print(f"{batch_name:36s} {name:16s} ms per step: {' / '.join(f'{t:.1f}' for t in value)}")
+            print(f"{batch_name:36s} {name:36s} ms per step: {' / '.join(f'{t:.1f}' for t in value)}")
     if not args.quick:
         record = {"threads": torch.get_num_threads(), "torch": torch.__version__, "ms_per_step": results}
         OUT.write_text(json.dumps(record, indent=1) + "\n")

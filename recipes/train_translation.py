@@ -571,12 +571,17 @@ def check_document_training(model_args, d, training_args) -> None:
             f"{d.sentence_positions}, --sentence_local_layers {d.sentence_local_layers}, --sp_size "
             f"{training_args.sp_size}); or --document_training whole"
         )
-    if d.document_ramp not in ("auto", "none", "") or d.document_ramp_mix:
+    if asks_for_pieces(d):
         raise ValueError(
             f"--document_ramp {d.document_ramp}{' --document_ramp_mix true' if d.document_ramp_mix else ''}: cuts "
             "whole documents into pieces; --document_training sentences trains their sentences, none whole: leave "
             "it out, or --document_training whole"
         )
+
+
+def asks_for_pieces(d) -> bool:
+    """--document_ramp given as token limits, or --document_ramp_mix: pieces of whole documents asked for."""
+    return d.document_ramp not in ("auto", "none", "") or d.document_ramp_mix
 
 
 def trains_sentences(model_args, data_args, training_args) -> bool:
@@ -585,8 +590,8 @@ def trains_sentences(model_args, data_args, training_args) -> bool:
         return False
     if data_args.document_training == "sentences":
         return True
-    if data_args.document_ramp not in ("auto", "none", "") or data_args.document_ramp_mix:
-        return False  # pieces asked for: they are cut from whole documents
+    if asks_for_pieces(data_args):
+        return False  # they are cut from whole documents
     return sentence_local_layers(model_args, data_args, training_args) == shallower_stack(model_args)
 
 
@@ -781,9 +786,12 @@ def main(argv=None):
     metric = bleu_metric()
     columns = ["input_ids", "attention_mask", "labels"]
     columns_train = columns
+    # the sentence markers' ids, <s1> .. <sN> (documents with markers; what the ramp, the positions and the
+    # sentences' examples find sentences by)
+    markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
+    markers = markers if docs > 1 and data_args.sentence_markers else []
     padded = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     if sentences:
-        markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
         train = documents_as_sentences(train, markers, model.config.decoder_start_token_id)
         columns_train = ["input_ids", "attention_mask", "decoder_input_ids", "labels"]
         train_collator = Seq2SeqPackingCollator(
@@ -813,7 +821,6 @@ def main(argv=None):
     )
     ramp = [] if sentences else ramp_steps(data_args)
     if ramp:
-        markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
         train_collator = DocumentRamp(
             train_collator, markers, tokenizer.eos_token_id, ramp, lambda: budget.fraction, data_args.document_ramp_mix
         )
@@ -851,7 +858,6 @@ def main(argv=None):
         )
     if uses_sentence_positions(data_args, training_args):  # after the warm start: its sentences at their
         # random marker's slot instead gave 54.53 against 55.23 (docs/translation-experiments.md)
-        markers = [tokenizer.convert_tokens_to_ids(translation_data.marker(k)) for k in range(1, docs + 1)]
         local = sentence_local_layers(model_args, data_args, training_args)
         stride = sentence_position_stride(model_args, data_args, training_args, model.config.max_position_embeddings)
         SentencePositions(model, markers, stride, local)
