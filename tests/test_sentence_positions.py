@@ -404,3 +404,23 @@ def test_documents_train_as_their_sentences_packed(tmp_path, stride):
     (rank,) = spawn(_documents_as_sentences_rank, 1, str(tmp_path), stride)
     assert rank["rows"] > 1  # several sentences per row, a document's across rows
     np.testing.assert_allclose(np.array(rank["sentences"]), np.array(rank["whole"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_document_as_its_sentences():
+    """Each sentence as the whole document's forward computes it: the first with the start token, the others from
+    their marker; the next marker (or </s>) its last label; documents that are not marked so are refused."""
+    from recipes.document_sentences import sentence_examples
+
+    markers = [50, 51, 52]
+    source, labels = [50, 5, 6, 51, 7, 52, 8, 9, 1], [50, 15, 51, 17, 18, 52, 19, 1]
+    assert sentence_examples(source, labels, markers, 0) == [
+        {"input_ids": [50, 5, 6], "decoder_input_ids": [0, 50, 15], "labels": [50, 15, 51]},
+        {"input_ids": [51, 7], "decoder_input_ids": [51, 17, 18], "labels": [17, 18, 52]},
+        {"input_ids": [52, 8, 9, 1], "decoder_input_ids": [52, 19], "labels": [19, 1]},
+    ]
+    with pytest.raises(ValueError, match="a document with 3 source sentences and 2 target sentences"):
+        sentence_examples(source, [50, 15, 51, 17, 1], markers, 0)
+    with pytest.raises(ValueError, match="a document's source must start with its first sentence marker"):
+        sentence_examples([5, 50, 6, 1], [50, 15, 1], markers, 0)
+    with pytest.raises(ValueError, match="a document's target has no sentence marker"):
+        sentence_examples([50, 6, 1], [15, 1], markers, 0)
