@@ -142,7 +142,8 @@ class DataArguments:
         default=1,
         metadata={
             "help": "Document-level translation: join N consecutive pairs into one source/target document (one long "
-            "sequence, attention across its sentences). The default training batch and --max_eval_samples "
+            "sequence, split by SP; in one process each sentence attends within itself, see "
+            "--sentence_local_layers). The default training batch (of whole documents) and --max_eval_samples "
             "are divided by N (same sentences per step), the evaluation batch by N / 4 (fewer decoding "
             "steps)."
         },
@@ -227,7 +228,8 @@ class DataArguments:
             "help": "With --document_sentences N: train on the single sentence pairs (packed rows) for the first M "
             "minutes of --max_train_minutes, then on documents: the model learns to align sentences before "
             "it learns long documents (a sentence-level warm start within the run); -1: a fifth of the "
-            "budget; 0: documents from the start."
+            "budget for whole documents, none where they train as their sentences (--document_training); 0: "
+            "documents from the start."
         },
     )
     document_ramp: str = field(
@@ -238,8 +240,9 @@ class DataArguments:
             "sentences of at most 48 tokens a side (each its own row, markers renumbered from <s1>; data "
             "parallel across the SP group, the rows being short), then 96, then 192, each for an equal share "
             "of --document_ramp_fraction of the documents' budget, then whole (split by SP); auto: 48,96,192 "
-            "with the markers (test document BLEU 52.95 and 53.12 against 50.84 without; recipes/README.md); "
-            "none: whole documents throughout."
+            "with the markers where the documents train whole (test document BLEU 52.95 and 53.12 against 50.84 "
+            "without; recipes/README.md), none where they train as their sentences (--document_training); none: "
+            "whole documents throughout."
         },
     )
     document_ramp_fraction: float = field(
