@@ -164,7 +164,7 @@ class SentencePositions:
         return sentence_positions(ids, self.markers, self.stride, decoder, given)
 
     def _left(self, module, args, output):
-        self.inside = False
+        self.inside = self.packed = False  # an encoder called alone next (generate) reads whole rows
 
     def _model(self, module, args, kwargs):
         self.inside, self.step, self.packed = True, False, False

@@ -376,7 +376,7 @@ def _documents_as_sentences_rank(out_dir: str, stride: int) -> dict:
     model, markers, batch, _ = _sp_case(2)
     args = RecipeTrainingArguments(output_dir=out_dir, sp_size=1, use_cpu=True, report_to=[], label_smoothing_factor=0)
     trainer = BudgetTrainer(model=model, args=args, train_dataset=[{"input_ids": [2, 1], "labels": [3, 1]}] * 2)
-    SentencePositions(model, markers, stride, 2)
+    hooks = SentencePositions(model, markers, stride, 2)
     documents = {
         "input_ids": [row[row != 0].tolist() for row in batch["input_ids"][:2]],  # the two with markers
         "labels": [row[row != -100].tolist() for row in batch["labels"][:2]],
@@ -389,6 +389,7 @@ def _documents_as_sentences_rank(out_dir: str, stride: int) -> dict:
     result["rows"] = packed["input_ids"].shape[0]
     model.zero_grad()
     result["sentences"] = _loss_and_gradients(model, trainer.compute_loss(trainer.model, packed)).tolist()
+    result["packed after the forward"] = hooks.packed  # generate's encoder, called alone next, reads whole rows
     return result
 
 
@@ -403,6 +404,7 @@ def test_documents_train_as_their_sentences_packed(tmp_path, stride):
 
     (rank,) = spawn(_documents_as_sentences_rank, 1, str(tmp_path), stride)
     assert rank["rows"] > 1  # several sentences per row, a document's across rows
+    assert rank["packed after the forward"] is False
     np.testing.assert_allclose(np.array(rank["sentences"]), np.array(rank["whole"]), rtol=1e-5, atol=1e-6)
 
 
