@@ -276,7 +276,7 @@ def test_the_prompt_forward_splits_leaving_the_unpatched_cache_states(model_type
     if scans:  # each rank keeps the final state of its own runs
         m = monkeypatch
         m.setattr(scan.StatePassing, "_final", lambda self, kind, call: self.last[1] if self.last[1] is not None
-                  else torch.zeros(self._final_shape(kind, call), dtype=self.last[0]))  # fmt: skip
+                  else torch.zeros(scan.final_shape(kind, call), dtype=self.last[0]))  # fmt: skip
         assert "whole prompt's states" in sequence.prove_prefill(module, module.forward, conv, scans, 2, make)
 
 

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import seqpar_hf
 
+from ..helpers.kernels import stand_in
 from ..helpers.models import build_model, make_batch, relative_error, rope
 
 # Analytically zero gradients (k_proj biases: softmax ignores a shift shared by all keys) are float
@@ -36,7 +37,18 @@ def grad_errors(patched, reference) -> tuple[float, str]:
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
     overrides), checkpointing, head_chunks and mixer_split (the layout's), eval (compare gathered logits without labels
-    instead of loss + gradients), float64 (the model in float64)."""
+    instead of loss + gradients), float64 (the model in float64), kernel (a scan's name: its mixers run a stand-in
+    fused kernel, tests/helpers/kernels.py, the unpatched model too)."""
+    if not case.get("kernel"):
+        return _run_case(case)
+    model = build_model(case["family"], seed=case.get("seed", 0), **case.get("model", {}))
+    with stand_in(model, case["kernel"]) as calls:
+        result = _run_case(case, calls)
+    result["kernel_states"] = sum(given for _, given, _ in calls)  # the kernel ran from the states passed
+    return result
+
+
+def _run_case(case: dict, kernel_calls: list | None = None) -> dict:
     layout = seqpar_hf.ParallelLayout(
         sp_size=case["sp"],
         mode=case.get("mode", "ulysses"),
@@ -64,6 +76,8 @@ def run_case(case: dict) -> dict:
         with torch.no_grad():
             for p in original.parameters():
                 p.add_(1.0)  # the copy must not share weights with the original
+    if kernel_calls is not None:
+        kernel_calls.clear()  # those of the proof's check: count the forwards' own
     chosen = seqpar_hf.layout_of(model)  # mode="auto": the layout chosen for this model
     result = {"name": case["name"], "rank": layout.rank, "mode": chosen.mode, "ring_size": chosen.ring_size}
 
@@ -238,6 +252,8 @@ def _cases_world2():
             dict(base, name=f"{tag}-mistral", family="mistral"),
             dict(base, name=f"{tag}-qwen2", family="qwen2"),
             dict(base, name=f"{tag}-marian-checkpointing", family="marian", checkpointing=True),
+            # a fused kernel behind the DeltaNet's scan (flash-linear-attention on a GPU): split along the sequence
+            dict(base, name=f"{tag}-qwen3_5-kernel", family="qwen3_5", kernel="torch_chunk_gated_delta_rule"),
             dict(base, name=f"{tag}-llama-checkpointing", family="llama", checkpointing=True),
             # attention-free: the context reaches Mamba's mixers on the shard's mask, also in the recompute of
             # each of two forwards of different lengths before one backward
@@ -315,6 +331,8 @@ def _cases_world4():
                 dict(sp4, name=f"{tag}-sp4-gemma3-window", **_family_case("gemma3")),
                 dict(sp4, name=f"{tag}-sp4-mixtral", **_family_case("mixtral")),
                 dict(sp4, name=f"{tag}-sp4-m2m100", **_family_case("m2m100")),
+                # 4 ranks, 2 key heads: no head split; the fused kernel split along the sequence, states passed
+                dict(sp4, name=f"{tag}-sp4-qwen3_5-kernel", family="qwen3_5", kernel="torch_chunk_gated_delta_rule"),
                 dict(sp4, name=f"{tag}-sp4-llama-rope-dynamic", **_rope_case("dynamic")),
                 dict(sp4, name=f"{tag}-sp4-llama-rope-longrope", **_rope_case("longrope")),
                 dict(

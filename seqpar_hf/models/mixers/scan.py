@@ -71,14 +71,30 @@ KINDS = (
 )  # fmt: skip
 
 
-def _signature(fn) -> inspect.Signature | None:
+def signature(fn) -> inspect.Signature | None:
     with contextlib.suppress(TypeError, ValueError):
         return inspect.signature(getattr(fn, "forward", fn) if isinstance(fn, torch.nn.Module) else fn)
     return None
 
 
-def _kind(fn) -> Kind | None:
-    sig = _signature(fn) if callable(fn) else None
+def call_by_name(fn, sig: inspect.Signature, arguments: dict):
+    """`fn` called with `arguments` (by the names of `sig`, its reference's signature) as the modeling code calls a
+    scan: the required parameters by position, the others by name. A dispatcher hands them to a kernel whose leading
+    parameters have other names (flash-linear-attention's q, k, v; mamba_ssm's x) and drops the names that kernel
+    does not take (the reference's chunk_size)."""
+    params = sig.parameters.values()
+    positional = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty:
+            break
+        if p.name not in arguments:
+            break
+        positional.append(p.name)
+    return fn(*(arguments[n] for n in positional), **{k: v for k, v in arguments.items() if k not in positional})
+
+
+def kind_of(fn) -> Kind | None:
+    sig = signature(fn) if callable(fn) else None
     if sig is None:
         return None
     params = set(sig.parameters)
@@ -102,17 +118,17 @@ def find(module: torch.nn.Module) -> dict[str, Kind]:
                 continue
             seen.add(name)
             value = space[name]
-            kind = _kind(value) if callable(value) and not isinstance(value, type) else None
+            kind = kind_of(value) if callable(value) and not isinstance(value, type) else None
             if kind is not None:
                 found[name] = kind
                 continue
-            for inner in _functions(value):
+            for inner in plain_functions(value):
                 if inner.__globals__ is space:  # a helper of the same module (mamba2_scan_forward)
                     todo.append(inner.__code__)
     return found
 
 
-def _functions(value) -> list[types.FunctionType]:
+def plain_functions(value) -> list[types.FunctionType]:
     """The plain functions behind `value`: itself, or those a kernels-replaceable wrapper (an nn.Module whose
     forward calls the function it closes over) would call."""
     if isinstance(value, types.FunctionType):
@@ -149,7 +165,7 @@ class StatePassing:
     def __enter__(self):
         for name, kind in self.scans.items():
             original = self.space.get(name)
-            if _kind(original) != kind:  # replaced since it was proven (another kernel): not split, not seen
+            if kind_of(original) != kind:  # replaced since it was proven (another kernel): not split, not seen
                 continue
             self._saved[name] = original
             self.space[name] = self._wrap(original, kind)
@@ -161,7 +177,7 @@ class StatePassing:
         self._saved = {}
 
     def _wrap(self, original, kind: Kind):
-        sig = _signature(original)
+        sig = signature(original)
 
         def split(*args, **kwargs):
             self.seen += 1
@@ -175,7 +191,7 @@ class StatePassing:
             if any(call.get(k) is not None for k in ("cu_seqlens", "seq_idx")):
                 raise Unsplit("a scan given document boundaries")
             self.last = None  # (dtype, the final state of the run holding the last real token, or None)
-            out = self._split(original, kind, call)
+            out = self._split(lambda arguments: call_by_name(original, sig, arguments), kind, call)
             if final:
                 return out, self._final(kind, call)
             return (out, None) if kind.pair else out
@@ -202,7 +218,7 @@ class StatePassing:
             piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
             v = piece[kind.value]
             if glob == starts[0]:  # the sequence's first run: its outputs and final state from a zero start
-                out, final = fn(**{**piece, kind.final_flag: True})
+                out, final = fn({**piece, kind.final_flag: True})
                 self._keep_final(fn, kind, piece, None, glob, n, final)
                 parts.append(out)
                 states.append(torch.cat([final.to(dtype), _zeros(v, m, dtype)], kind.value_axis))
@@ -211,7 +227,7 @@ class StatePassing:
                 states.append(_Tie.apply(_widened_zeros(kind, v, m, dv, dtype), v))
             else:  # between: its zero-start state S0 and its transition T from one widened call
                 widened = torch.cat([v, v.new_zeros(*v.shape[:-1], m)], -1)
-                out, final = fn(**{**piece, kind.value: widened, kind.initial: _identity(kind, value, m, dv),
+                out, final = fn({**piece, kind.value: widened, kind.initial: _identity(kind, value, m, dv),
                                    kind.final_flag: True})  # fmt: skip
                 parts.append(None)
                 states.append(final.to(dtype))
@@ -228,7 +244,7 @@ class StatePassing:
                 s0, t = _split_state(kind, everyone[r, i], dv)
                 incoming = s0 if incoming is None else (_apply(kind, t, incoming) + s0)
             piece = {k: (v.narrow(1, start, n) if k in kind.tokens else v) for k, v in call.items()}
-            out, final = fn(**{**piece, kind.initial: incoming, kind.final_flag: True})
+            out, final = fn({**piece, kind.initial: incoming, kind.final_flag: True})
             self._keep_final(fn, kind, piece, incoming, glob, n, final)
             outs.append(out)
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
@@ -246,7 +262,7 @@ class StatePassing:
             real = {k: (v.narrow(kind.seq_dim, 0, end - glob) if k in kind.tokens and v is not None else v)
                     for k, v in piece.items()}  # fmt: skip
             extra = {kind.initial: incoming} if kind.initial else {}
-            final = fn(**{**real, **extra, kind.final_flag: True})[1]
+            final = fn({**real, **extra, kind.final_flag: True})[1]
         self.last = (final.dtype, final)
 
     def _final(self, kind: Kind, call: dict) -> torch.Tensor:
@@ -255,16 +271,9 @@ class StatePassing:
         assert self.last is not None  # every run of the call kept its final state's dtype
         dtype, final = self.last
         if final is None:
-            final = torch.zeros(self._final_shape(kind, call), dtype=dtype, device=call[kind.value].device)
+            final = torch.zeros(final_shape(kind, call), dtype=dtype, device=call[kind.value].device)
         everyone = self._exchange([final])
         return everyone.sum((0, 1)).to(dtype)
-
-    def _final_shape(self, kind: Kind, call: dict) -> tuple[int, ...]:
-        value, key = call[kind.value], call[kind.key_source]
-        if not kind.initial:  # the selective scan's [b, channels, n]
-            return (value.shape[0], value.shape[1], key.shape[1])
-        b, h, dv, m = value.shape[0], value.shape[2], value.shape[-1], key.shape[-1]
-        return (b, h, m, dv) if kind.value_axis == -1 else (b, h, dv, m)
 
     def _split_selective(self, fn, kind: Kind, call: dict):
         """Mamba's selective scan takes no initial state, but its state decays elementwise: a run's final state
@@ -274,7 +283,7 @@ class StatePassing:
         parts, states = [], []
         for start, n, _ in self.runs:
             piece = {k: (v.narrow(-1, start, n) if k in kind.tokens and v is not None else v) for k, v in call.items()}
-            out, final = fn(**{**piece, kind.final_flag: True})
+            out, final = fn({**piece, kind.final_flag: True})
             dt = piece["dt"].float() if piece["dt"].dtype != torch.float64 else piece["dt"]
             if call.get("delta_bias") is not None:
                 dt = dt + call["delta_bias"].to(dt.dtype)[..., None]
@@ -315,11 +324,20 @@ class StatePassing:
             self.last = self.last or (dtype, None)
             return
         real = {k: (v.narrow(-1, 0, end - glob) if k in kind.tokens and v is not None else v) for k, v in piece.items()}
-        _, final = fn(**{**real, kind.final_flag: True})
+        _, final = fn({**real, kind.final_flag: True})
         final = final.to(cum.dtype)
         if incoming is not None:
             final = final + torch.exp(piece["A"].to(cum.dtype)[None] * cum[..., end - glob - 1, None]) * incoming
         self.last = (dtype, final)
+
+
+def final_shape(kind: Kind, call: dict) -> tuple[int, ...]:
+    """The shape of the final state of a call of a scan of `kind` (its arguments by name)."""
+    value, key = call[kind.value], call[kind.key_source]
+    if not kind.initial:  # the selective scan's [b, channels, n]
+        return (value.shape[0], value.shape[1], key.shape[1])
+    b, h, dv, m = value.shape[0], value.shape[2], value.shape[-1], key.shape[-1]
+    return (b, h, m, dv) if kind.value_axis == -1 else (b, h, dv, m)
 
 
 def _identity(kind: Kind, value: torch.Tensor, m: int, dv: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 from ...parallel.sharding import ShardPlan
 from ..forward.context import CONTEXT_KWARG, ForwardContext, carried
 from ..generation.sharded_cache import SequenceShardedCache
-from . import halo, scan
+from . import halo, kernels, scan
 from .gathered import GatheredMixer
 
 CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
@@ -259,8 +259,11 @@ def _prove(module, original, conv, scans: dict, n: int, prefill=None) -> str | N
     # gathered in the pass after)
     passes = (3 if scans else 2) + (1 if prefill and scans else 0)
     what = "halos and states" if scans else "halos"
+    # a fused kernel behind a scan's name takes no float64: the proof runs its reference, then the kernel is
+    # checked on the calls the split made (`kernels.py`)
+    references = kernels.References(scan.global_space(module), scans)
     try:
-        with torch.no_grad(), KeepFloat64():
+        with torch.no_grad(), KeepFloat64(), references:
             cached = None
             if prefill is not None:
                 name, make_cache, index = prefill
@@ -281,7 +284,7 @@ def _prove(module, original, conv, scans: dict, n: int, prefill=None) -> str | N
     except Exception as exc:  # noqa: BLE001 - a split that does not apply: the mixer runs as before
         text = str(exc).splitlines()[0][:120] if str(exc) else ""
         return f"its shards split along the sequence fail ({type(exc).__name__}: {text})"
-    return None
+    return references.check(p.device)
 
 
 def _split_error(module, original, conv, scans, plans, passes, x, mask, want, drop: bool = False, cached=None):
