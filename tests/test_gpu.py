@@ -191,6 +191,41 @@ def test_mixers_split_along_the_sequence_on_cuda(model_type, class_name, child):
     assert passed < 1e-4 and dropped > 2 * passed, (passed, dropped)  # Zamba's scan reaches little at init
 
 
+@pytest.mark.parametrize("package", ["fla", "causal_conv1d"])
+def test_fused_kernels_run_the_split_on_cuda(package):
+    """Where flash-linear-attention or causal-conv1d is installed, transformers dispatches Qwen3.5's scan or
+    convolution to it on CUDA: the proof (the reference in float64, the kernel checked on the split's calls in fp32,
+    `mixers/kernels.py`) holds, and the shards, the kernel run from the states passed and the halos, are the module's
+    output with the kernel within fp32 (TF32) rounding."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+    from conformance.tiny import build_tiny
+    from seqpar_hf.models.mixers import halo, kernels, scan, sequence
+    from seqpar_hf.parallel.sharding import ShardPlan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny("qwen3_5", "Qwen3_5ForCausalLM")[0].float().cuda()
+    module = next(m for n, m in model.named_modules() if n.endswith("layers.0.linear_attn"))
+    scans, conv = scan.find(module), halo.depthwise_conv(module)
+    names = {**scans, **halo.conv_functions(module)}
+    space = scan.global_space(module)
+    assert any(kernels.reference(space[n]) is not space[n] for n in names)  # dispatchers
+    for n in (2, 4):
+        assert sequence.prove(module, module.forward, conv, scans, n) is None
+    x = torch.randn(2, 37, sequence._width(module), device="cuda")
+    mask = torch.ones(2, 37, dtype=torch.long, device="cuda")
+    mask[1, :5] = 0
+    with torch.no_grad():
+        want = module(x, attention_mask=mask)
+        plans = [ShardPlan.build(37, 4, r, ring_size=4, zigzag=True) for r in range(4)]
+        passed = sequence._split_error(module, module.forward, conv, scans, plans, 3, x, mask, want)
+    assert passed < 1e-3, passed
+
+
 def test_activation_offload_on_cuda_is_bit_identical():
     """The CUDA path of `offload_activations` (pinned host buffers, a side stream, the next layer's input
     prefetched): loss and every gradient bit-identical, every checkpointed layer's input moved and brought back."""

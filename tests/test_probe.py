@@ -510,7 +510,7 @@ def test_attention_free_models_split_their_mixers_or_are_refused(model_type, cla
     for name, (_, make) in decided.items():  # proven once for both layers, each wrapper given its own convolution
         module = family.backbone.get_submodule(name)
         assert make(SimpleNamespace(), module.forward, "decoder", None).conv is module.conv1d, name
-    monkeypatch.setattr(scan, "find", lambda module: {})
+    monkeypatch.setattr(scan, "find", lambda module, classify=None: {})
     monkeypatch.setattr(heads, "head_layout", lambda module: None)
     with pytest.raises(ValueError) as info:
         install.decide(family, SimpleNamespace(sp_size=2))

@@ -19,7 +19,7 @@ from conformance.tiny import build_tiny
 from seqpar_hf.models.mixers import halo, kernels, scan, sequence
 from seqpar_hf.parallel.sharding import ShardPlan
 
-from .helpers.kernels import Calls, dispatcher, gated_delta_rule_kernel, ssd_kernel
+from .helpers.kernels import Calls, conv_kernel, dispatcher, gated_delta_rule_kernel, ssd_kernel, stand_in
 
 MIXERS = {
     "qwen3_5": ("Qwen3_5ForCausalLM", "linear_attn", "torch_chunk_gated_delta_rule", gated_delta_rule_kernel),
@@ -114,3 +114,62 @@ def test_calls_by_name_pass_the_required_parameters_by_position():
     q = torch.zeros(1)
     scan.call_by_name(fn, scan.signature(reference), dict(query=q, key=q, value=q, g=q, beta=q, chunk_size=64))
     assert seen["q"] is q and seen["initial_state"] is None
+
+
+CONVOLUTIONS = {
+    "qwen3_5": ("Qwen3_5ForCausalLM", "linear_attn"),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "mamba"),
+    "mamba": ("MambaForCausalLM", "mixer"),
+    "lfm2": ("Lfm2ForCausalLM", "conv"),
+}
+
+
+def _conv_mixer(model_type: str):
+    class_name, child = CONVOLUTIONS[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny(model_type, class_name)[0].float()
+    module = next(m for n, m in model.named_modules() if n.endswith(f"layers.0.{child}"))
+    return model, module, scan.global_space(module)
+
+
+@pytest.mark.parametrize("model_type", list(CONVOLUTIONS))
+def test_a_fused_convolution_behind_its_dispatcher_runs_with_its_halo(model_type, monkeypatch):
+    """causal-conv1d's kernel behind transformers' `causal_conv1d_fn` (it calls no F.conv1d, takes no float64):
+    the proof runs the reference and checks the kernel on the halo-prepended calls; the split then runs the kernel
+    on each run with its halo prepended, the shards the module's own outputs."""
+    model, module, space = _conv_mixer(model_type)
+    assert halo.conv_functions(module) == {"causal_conv1d_fn": "convolution"}
+    reference = kernels.reference(space["causal_conv1d_fn"])
+    calls = Calls()
+    monkeypatch.setitem(space, "causal_conv1d_fn", dispatcher(reference, conv_kernel(calls)))
+    conv, scans = halo.depthwise_conv(module), scan.find(module)
+    for n in (2, 4):
+        assert sequence.prove(module, module.forward, conv, scans, n) is None, n
+    assert calls and all(dtype == torch.float32 for _, _, dtype in calls)
+    calls.clear()
+    x = torch.randn(2, 13, sequence._width(module))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :3] = 0
+    assert _split_output(module, 3, x, mask) < 1e-5
+    k = conv.kernel_size[0]
+    assert calls and all(width > k - 1 for width, _, _ in calls)  # each run with its k - 1 halo columns
+
+
+def test_a_convolution_kernel_that_is_not_its_reference_is_not_used(monkeypatch):
+    _, module, space = _conv_mixer("qwen3_5")
+    reference = kernels.reference(space["causal_conv1d_fn"])
+    monkeypatch.setitem(space, "causal_conv1d_fn", dispatcher(reference, conv_kernel(Calls(), shifted=True)))
+    got = sequence.prove(module, module.forward, halo.depthwise_conv(module), scan.find(module), 2)
+    assert got is not None and "kernel (causal_conv1d_fn) is not its reference" in got, got
+
+
+def test_both_kernels_at_once(monkeypatch):
+    """flash-linear-attention and causal-conv1d together (the fast path of a GPU install)."""
+    model, module, _ = _conv_mixer("qwen3_5")
+    with stand_in(model, ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")) as calls:
+        assert sequence.prove(module, module.forward, halo.depthwise_conv(module), scan.find(module), 4) is None
+        calls.clear()
+        x = torch.randn(2, 13, sequence._width(module))
+        assert _split_output(module, 2, x, torch.ones(2, 13, dtype=torch.long)) < 1e-5
+        assert any(given for _, given, _ in calls)

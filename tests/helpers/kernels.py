@@ -9,8 +9,9 @@ import contextlib
 import inspect
 
 import torch
+import torch.nn.functional as F
 
-from seqpar_hf.models.mixers import kernels, scan
+from seqpar_hf.models.mixers import halo, kernels, scan
 
 
 def dispatcher(reference, kernel):
@@ -75,18 +76,46 @@ def ssd_kernel(reference, calls: Calls):
     return mamba_chunk_scan_combined
 
 
+def conv_kernel(calls: Calls, *, shifted: bool = False):
+    """causal-conv1d's interface (x, weight, bias, seq_idx, initial_states, ..., activation): a depthwise causal
+    convolution written out by its windows (no F.conv1d, no float64). `shifted`: windows one token early (not the
+    reference)."""
+
+    def causal_conv1d_fn(
+        x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False, final_states_out=None,
+        activation=None,
+    ):  # fmt: skip
+        if x.dtype == torch.float64:
+            raise TypeError("no float64 kernel")
+        calls.append((x.shape[-1], False, x.dtype))
+        k, s = weight.shape[-1], x.shape[-1]
+        windows = F.pad(x, (k - 1 + shifted, 0))[..., : s + k - 1].unfold(-1, k, 1)  # [b, C, s, k]
+        out = torch.einsum("bcsk,ck->bcs", windows, weight.to(x.dtype))
+        out = out if bias is None else out + bias[:, None].to(x.dtype)
+        return F.silu(out) if activation in ("silu", "swish") else out
+
+    return causal_conv1d_fn
+
+
 @contextlib.contextmanager
-def stand_in(model: torch.nn.Module, name: str):
-    """While entered, the scan `name` of `model`'s mixers runs a stand-in kernel behind a dispatcher; yields its
-    calls."""
-    module = next(m for m in model.modules() if name in scan.find(m))
-    space = scan.global_space(module)
-    original = space[name]
-    reference = kernels.reference(original)
-    make = ssd_kernel if scan.kind_of(reference).name == "SSD chunk scan" else gated_delta_rule_kernel
-    calls = Calls()
-    space[name] = dispatcher(reference, make(reference, calls))
+def stand_in(model: torch.nn.Module, names):
+    """While entered, the scans or convolution dispatchers `names` (one name or several) of `model`'s mixers run
+    stand-in kernels behind dispatchers; yields their calls."""
+    calls, saved = Calls(), []
+    for name in [names] if isinstance(names, str) else names:
+        module = next(m for m in model.modules() if name in scan.find(m) or name in halo.conv_functions(m))
+        space = scan.global_space(module)
+        original = space[name]
+        reference = kernels.reference(original)
+        kind = scan.kind_of(reference)
+        if kind is None:
+            kernel = conv_kernel(calls)
+        else:
+            kernel = (ssd_kernel if kind.name == "SSD chunk scan" else gated_delta_rule_kernel)(reference, calls)
+        saved.append((space, name, original))
+        space[name] = dispatcher(reference, kernel)
     try:
         yield calls
     finally:
-        space[name] = original
+        for space, name, original in saved:
+            space[name] = original

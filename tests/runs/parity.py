@@ -37,8 +37,8 @@ def grad_errors(patched, reference) -> tuple[float, str]:
 def run_case(case: dict) -> dict:
     """One parity case. `case`: family, sp, mode, ring_size, model (config overrides), batch (batch
     overrides), checkpointing, head_chunks and mixer_split (the layout's), eval (compare gathered logits without labels
-    instead of loss + gradients), float64 (the model in float64), kernel (a scan's name: its mixers run a stand-in
-    fused kernel, tests/helpers/kernels.py, the unpatched model too)."""
+    instead of loss + gradients), float64 (the model in float64), kernel (names of a scan and a convolution
+    dispatcher: the mixers run stand-in fused kernels, tests/helpers/kernels.py, the unpatched model too)."""
     if not case.get("kernel"):
         return _run_case(case)
     model = build_model(case["family"], seed=case.get("seed", 0), **case.get("model", {}))
@@ -137,6 +137,8 @@ def run_cases(cases: list[dict]) -> list[dict]:
 # the cases, per world size
 
 MODES = [("ulysses", None), ("ring", None)]
+FUSED_DELTANET = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")  # a `kernel` case's stand-ins
+FUSED_SSD = ("mamba2_chunk_scan", "causal_conv1d_fn")
 
 
 # Every family beyond the first seven, each with a structural feature of its own (tests/helpers/models.py).
@@ -252,8 +254,10 @@ def _cases_world2():
             dict(base, name=f"{tag}-mistral", family="mistral"),
             dict(base, name=f"{tag}-qwen2", family="qwen2"),
             dict(base, name=f"{tag}-marian-checkpointing", family="marian", checkpointing=True),
-            # a fused kernel behind the DeltaNet's scan (flash-linear-attention on a GPU): split along the sequence
-            dict(base, name=f"{tag}-qwen3_5-kernel", family="qwen3_5", kernel="torch_chunk_gated_delta_rule"),
+            # fused kernels behind the scan and the convolution (flash-linear-attention / mamba_ssm and causal-conv1d
+            # on a GPU): split along the sequence, states passed and halos prepended
+            dict(base, name=f"{tag}-qwen3_5-kernel", family="qwen3_5", kernel=FUSED_DELTANET),
+            dict(base, name=f"{tag}-granitemoehybrid-kernel", family="granitemoehybrid", kernel=FUSED_SSD),
             dict(base, name=f"{tag}-llama-checkpointing", family="llama", checkpointing=True),
             # attention-free: the context reaches Mamba's mixers on the shard's mask, also in the recompute of
             # each of two forwards of different lengths before one backward
@@ -332,7 +336,7 @@ def _cases_world4():
                 dict(sp4, name=f"{tag}-sp4-mixtral", **_family_case("mixtral")),
                 dict(sp4, name=f"{tag}-sp4-m2m100", **_family_case("m2m100")),
                 # 4 ranks, 2 key heads: no head split; the fused kernel split along the sequence, states passed
-                dict(sp4, name=f"{tag}-sp4-qwen3_5-kernel", family="qwen3_5", kernel="torch_chunk_gated_delta_rule"),
+                dict(sp4, name=f"{tag}-sp4-qwen3_5-kernel", family="qwen3_5", kernel=FUSED_DELTANET),
                 dict(sp4, name=f"{tag}-sp4-llama-rope-dynamic", **_rope_case("dynamic")),
                 dict(sp4, name=f"{tag}-sp4-llama-rope-longrope", **_rope_case("longrope")),
                 dict(

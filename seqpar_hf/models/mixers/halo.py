@@ -9,7 +9,11 @@ gradients over the group and each rank keeps its own.
 
 Where the convolution is: the depthwise `nn.Conv1d` child with k - 1 padding, whose weight the module's code
 hands `torch.nn.functional.conv1d` (directly, or through the module's own call); that call is intercepted
-(a `TorchFunctionMode` for the module's forward). The mixer that uses it, and its proof: `sequence.py`.
+(a `TorchFunctionMode` for the module's forward). Where the code calls it through a dispatcher to a fused kernel
+(transformers' `causal_conv1d_fn`: causal-conv1d on CUDA, else its PyTorch reference, `conv_functions`), the
+dispatcher's call with the weight is intercepted instead: each run's halo is prepended to its inputs and the first
+k - 1 outputs dropped, whatever runs the convolution (`kernels.py` checks such a kernel). The mixer that uses it, and
+its proof: `sequence.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ...parallel.sharding import ShardPlan
+from . import kernels, scan
+
+# the parameters of a causal convolution function (transformers' causal_conv1d_fn and its dispatcher); a decoding
+# step's (causal_conv1d_update) also takes the convolution state
+CONV_PARAMS = frozenset({"hidden_states", "weight", "bias", "activation"})
 
 
 def depthwise_conv(module: nn.Module) -> nn.Conv1d | None:
@@ -35,6 +44,20 @@ def depthwise_conv(module: nn.Module) -> nn.Conv1d | None:
         and m.padding == (m.kernel_size[0] - 1,)
     ]
     return convs[0] if len(convs) == 1 else None
+
+
+def conv_kind(fn) -> str | None:
+    """ "convolution" for a dispatcher of a causal convolution function to a kernel (`reference` is another), else
+    None."""
+    sig = scan.signature(fn)
+    if sig is None or not CONV_PARAMS <= set(sig.parameters) or "conv_state" in sig.parameters:
+        return None
+    return "convolution" if kernels.reference(fn) is not fn else None
+
+
+def conv_functions(module: nn.Module) -> dict[str, str]:
+    """{global name: "convolution"} of the convolution dispatchers `module`'s forward reaches."""
+    return scan.find(module, conv_kind)
 
 
 def runs(plan: ShardPlan, rank: int) -> list[tuple[int, int, int]]:
@@ -127,16 +150,61 @@ def _shares_storage(t, weight: torch.Tensor) -> bool:
 class ConvWithHalo(TorchFunctionMode):
     """Inside the module's forward: the convolution with `conv`'s weight runs on each run of this rank's tokens
     with its halo prepended; it returns what the padded convolution would, the causal outputs first (the
-    module keeps the first s of them)."""
+    module keeps the first s of them). `functions` ({name: kind} in `space`, the module's globals): convolution
+    dispatchers, whose calls with the weight run each run with its halo prepended, their first k - 1 outputs
+    dropped (what runs inside them, F.conv1d included, is left alone)."""
 
-    def __init__(self, conv: nn.Conv1d, halos: Halos, gather):
+    def __init__(self, conv: nn.Conv1d, halos: Halos, gather, space: dict | None = None, functions=None):
         super().__init__()
         self.weight, self.plan, self.gather, self.seen = conv.weight, halos, gather, 0
+        self.space, self.functions, self._inside = space or {}, functions or {}, False
+        self._saved: dict = {}
+
+    def __enter__(self):
+        for name in self.functions:
+            original = self.space.get(name)
+            if original is None:
+                continue
+            self._saved[name] = original
+            self.space[name] = self._wrap(original)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.space.update(self._saved)
+        self._saved = {}
+        return super().__exit__(*exc)
+
+    def _wrap(self, original):
+        sig = scan.signature(original)
+
+        def with_halo(*args, **kwargs):
+            call = dict(sig.bind(*args, **kwargs).arguments)
+            extra = call.pop(next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {})
+            weight, x = call.get("weight"), call.get("hidden_states")
+            if self._inside or x is None or not _shares_storage(weight, self.weight):
+                return original(*args, **kwargs)
+            if any({**call, **extra}.get(k) is not None for k in scan.BOUNDARIES):
+                raise scan.Unsplit("a convolution given document boundaries")
+            self.seen += 1
+            k = self.plan.k
+            gathered = self.gather(x.index_select(-1, self.plan.send))
+            outs = []
+            self._inside = True  # the dispatcher's own F.conv1d (its reference) is the convolution, not another
+            try:
+                for (a, n, _), halo in zip(self.plan.runs, self.plan.halos(gathered)):
+                    joined = torch.cat([halo.to(x.dtype), x.narrow(-1, a, n)], -1)
+                    y = scan.call_by_name(original, sig, {**call, "hidden_states": joined, **extra})
+                    outs.append(y.narrow(-1, k - 1, n))
+            finally:
+                self._inside = False
+            return torch.cat(outs, -1)
+
+        return with_halo
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
-        if func is not F.conv1d or not _shares_storage(weight, self.weight):
+        if self._inside or func is not F.conv1d or not _shares_storage(weight, self.weight):
             return func(*args, **kwargs)
         self.seen += 1
         x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")

@@ -28,14 +28,26 @@ TOL = 1e-2
 
 
 def reference(value):
-    """The scan's reference: the PyTorch function a dispatcher falls back to (its kind's), or `value` itself."""
-    kind = scan.kind_of(value)
-    return next((f for f in scan.plain_functions(value) if scan.kind_of(f) == kind and f is not value), value)
+    """The reference behind a dispatcher: the PyTorch function it falls back to (its parameters are the
+    dispatcher's), or `value` itself."""
+    sig = scan.signature(value)
+    if sig is None:
+        return value
+    names = list(sig.parameters)
+    return next(
+        (
+            f
+            for f in scan.plain_functions(value)
+            if f is not value and (fs := scan.signature(f)) is not None and list(fs.parameters) == names
+        ),
+        value,
+    )
 
 
 class References:
-    """While entered, each of `scans`' global names in `space` that dispatches to something other than its reference
-    runs the reference, and its calls are recorded in `calls`: (name, the call's arguments by name)."""
+    """While entered, each of `scans`' global names in `space` (scans and convolutions: name -> kind) that dispatches
+    to something other than its reference runs the reference, and its calls are recorded in `calls`: (name, the
+    call's arguments by name)."""
 
     def __init__(self, space: dict, scans: dict):
         self.space, self.scans = space, scans
@@ -102,12 +114,12 @@ def _flat(ref, call: dict) -> dict:
     return out
 
 
-def _error(fn, ref, kind: scan.Kind, call: dict, device) -> float:
+def _error(fn, ref, kind, call: dict, device) -> float:
     """The largest relative error of `fn` against `ref` on `call` in fp32: outputs, then (where they differ at all)
     every input's gradient; the call as recorded and, for a scan with an initial state, from a random one."""
     g = torch.Generator().manual_seed(0)
     variants = [call]
-    if kind.initial and kind.final_flag in call:
+    if isinstance(kind, scan.Kind) and kind.initial and kind.final_flag in call:
         shape = scan.final_shape(kind, call)
         variants.append({**call, kind.initial: torch.randn(shape, generator=g, dtype=torch.float64)})
     err = 0.0

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+BOUNDARIES = ("cu_seqlens", "seq_idx")  # a call's document boundaries (packed rows): such a call is not split
+
 
 class Unsplit(Exception):
     """A scan call the state passing does not cover: the forward is redone with the mixer whole."""
@@ -101,8 +103,9 @@ def kind_of(fn) -> Kind | None:
     return next((k for k in KINDS if k.matches(params)), None)
 
 
-def find(module: torch.nn.Module) -> dict[str, Kind]:
-    """{global name: kind} of the scan functions `module`'s forward reaches through its module's functions."""
+def find(module: torch.nn.Module, classify: Callable = kind_of) -> dict:
+    """{global name: kind} of the scan functions `module`'s forward reaches through its module's functions (or of
+    the functions `classify` gives a kind to: `halo.conv_functions`)."""
     forward = inspect.unwrap(type(module).forward)
     space = getattr(forward, "__globals__", None)
     if space is None:
@@ -118,7 +121,7 @@ def find(module: torch.nn.Module) -> dict[str, Kind]:
                 continue
             seen.add(name)
             value = space[name]
-            kind = kind_of(value) if callable(value) and not isinstance(value, type) else None
+            kind = classify(value) if callable(value) and not isinstance(value, type) else None
             if kind is not None:
                 found[name] = kind
                 continue
@@ -188,7 +191,7 @@ class StatePassing:
             final = bool(call.get(kind.final_flag))
             if (kind.initial and call.get(kind.initial) is not None) or (final and self.final_length is None):
                 raise Unsplit("a scan given a state or asked for its final state (a cache)")
-            if any(call.get(k) is not None for k in ("cu_seqlens", "seq_idx")):
+            if any(call.get(k) is not None for k in BOUNDARIES):
                 raise Unsplit("a scan given document boundaries")
             self.last = None  # (dtype, the final state of the run holding the last real token, or None)
             out = self._split(lambda arguments: call_by_name(original, sig, arguments), kind, call)

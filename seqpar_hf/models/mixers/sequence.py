@@ -54,7 +54,13 @@ class _Modes:
         self, module, conv, scans, plan: ShardPlan, rank: int, device, gather_columns, gather_states, final=False
     ):
         self.conv = (
-            halo.ConvWithHalo(conv, halo.Halos(plan, rank, conv.kernel_size[0], device), gather_columns)
+            halo.ConvWithHalo(
+                conv,
+                halo.Halos(plan, rank, conv.kernel_size[0], device),
+                gather_columns,
+                scan.global_space(module),
+                halo.conv_functions(module),
+            )
             if conv is not None
             else None
         )
@@ -89,7 +95,7 @@ class _Modes:
         """None when the convolution ran once and the scan at least once through what was intercepted; else what
         ran."""
         if self.conv is not None and self.conv.seen != 1:
-            return f"its convolution ran {self.conv.seen} times through torch.nn.functional.conv1d"
+            return f"its convolution ran {self.conv.seen} times through torch.nn.functional.conv1d or its dispatcher"
         if self.scan is not None and self.scan.seen == 0:  # each call (Zamba's: one per head group) splits itself
             return f"its scan ran {self.scan.seen} times through {', '.join(self.scan.scans)}"
         return None
@@ -261,7 +267,7 @@ def _prove(module, original, conv, scans: dict, n: int, prefill=None) -> str | N
     what = "halos and states" if scans else "halos"
     # a fused kernel behind a scan's name takes no float64: the proof runs its reference, then the kernel is
     # checked on the calls the split made (`kernels.py`)
-    references = kernels.References(scan.global_space(module), scans)
+    references = kernels.References(scan.global_space(module), {**scans, **halo.conv_functions(module)})
     try:
         with torch.no_grad(), KeepFloat64(), references:
             cached = None
