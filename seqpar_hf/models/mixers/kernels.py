@@ -1,16 +1,17 @@
-"""A fused kernel behind a scan's name (flash-linear-attention's gated delta rule, mamba_ssm's SSD scan), used by the
-state passing and checked against the scan's reference.
+"""A fused kernel behind a scan's or a convolution's name (flash-linear-attention's gated delta rule, mamba_ssm's SSD
+scan, causal-conv1d), used by the split along the sequence and checked against the reference.
 
-transformers' modeling modules call a scan by a global name bound to a dispatcher: the installed kernel package
-where it runs on the inputs' device (CUDA), else the module's own PyTorch function, the reference. The state passing
-(`scan.py`) is proven in float64 (`sequence.prove`), which no fused kernel takes; so the proof runs the reference
-(`References`), recording every call the split makes, and the dispatcher is then checked on those calls, on the
-module's device, in fp32 (`check`): the outputs, the final states and the gradients of every input (the initial
-state's included: the split's backward reaches the earlier runs through it) within `TOL` of the reference's, each
-call also from a random initial state of the size of the others, so that a kernel ignoring it, or the widened value
-channels that carry the transition, is off by O(1). Proven math (the reference, float64) and a kernel that computes
-the reference's function on the split's own calls (fp32): the split runs the kernel. Where the dispatcher runs the
-reference on this device (a CPU), the check compares it with itself: a few tiny calls.
+transformers' modeling modules call a scan (and a convolution) by a global name bound to a dispatcher: the installed
+kernel package where it runs on the inputs' device (CUDA), else the module's own PyTorch function, the reference.
+The convolution's halo is prepended at the dispatcher's call (`halo.py`), and the same check covers it. The state
+passing (`scan.py`) is proven in float64 (`sequence.prove`), which no fused kernel takes; so the proof runs the
+reference (`References`), recording every call the split makes, and the dispatcher is then checked on those calls,
+on the module's device, in fp32 (`check`): the outputs, the final states and the gradients of every input (the
+initial state's included: the split's backward reaches the earlier runs through it) within `TOL` of the reference's,
+each call also from a random initial state of the size of the others, so that a kernel ignoring it, or the widened
+value channels that carry the transition, is off by O(1). Proven math (the reference, float64) and a kernel that
+computes the reference's function on the split's own calls (fp32): the split runs the kernel. Where the dispatcher
+runs the reference on this device (a CPU), the check compares it with itself: a few tiny calls.
 """
 
 from __future__ import annotations
