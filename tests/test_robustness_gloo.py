@@ -53,6 +53,9 @@ EXPECTED = {
     "tiled-loss-differs": FINGERPRINT + r"tiled loss differs: rank 0: \(True, .*rank 1: \(False",
     "lm-loss-differs": FINGERPRINT + "labels given on ranks .0. only; lm_loss differs: rank 0: 1, rank 1: 0",
     "tiled-mlp-differs": FINGERPRINT + r"tiled_mlp differs: rank 0: True \(\d+ MLPs tiled\), rank 1: False",
+    "token-mixers-differ": FINGERPRINT
+    + r"token mixers differs: rank 0: 1 split along the sequence, 0 by heads, rank 1: 0 split along the sequence, "
+    r"1 by heads",
     "offload-without-checkpointing-on-one-rank": FINGERPRINT
     + r"offload_activations differs: rank 0: True \(\d+ layers checkpointed\), rank 1: True \(0 layers",
     "attention-set-on-one-rank": FINGERPRINT + "attention implementation differs: rank 0: seqpar_hf, rank 1: sdpa",

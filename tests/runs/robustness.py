@@ -51,6 +51,31 @@ def per_rank(values):
     return values[dist.get_rank()]
 
 
+def mixers_decided_apart(rank: int):
+    """Rank 1's scan kernel fails its check at patch_model (it drops the incoming state): its DeltaNet splits by
+    heads, rank 0's along the sequence; the first forward must raise on both ranks, not run mismatched
+    collectives."""
+    from seqpar_hf.models.mixers import kernels, scan
+
+    from ..helpers.kernels import Calls, dispatcher, gated_delta_rule_kernel
+
+    layout = seqpar_hf.ParallelLayout(sp_size=2)
+    model = build_model("qwen3_5")
+    module = next(m for m in model.modules() if "torch_chunk_gated_delta_rule" in scan.find(m))
+    space = scan.global_space(module)
+    original = space["torch_chunk_gated_delta_rule"]
+    if rank == 1:
+        ref = kernels.reference(original)
+        space["torch_chunk_gated_delta_rule"] = dispatcher(
+            ref, gated_delta_rule_kernel(ref, Calls(), ignores_state=True)
+        )
+    try:
+        seqpar_hf.patch_model(model, layout)
+    finally:
+        space["torch_chunk_gated_delta_rule"] = original
+    return lambda: model(**make_batch("qwen3_5", seed=0))
+
+
 def layout_cases(results: dict) -> None:
     results["world-not-divisible"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=4))
     results["ring-size-not-dividing"] = attempt(lambda: seqpar_hf.ParallelLayout(sp_size=2, mode="hybrid", ring_size=3))
@@ -127,6 +152,7 @@ def fingerprint_cases(results: dict, layout) -> None:
     results["tiled-loss-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_loss=rank == 0))
     results["lm-loss-differs"] = attempt(run("llama", llama, lm_loss=rank == 0))
     results["tiled-mlp-differs"] = attempt(run("llama", llama, model_fn=lambda m: m.train(), tiled_mlp=rank == 0))
+    results["token-mixers-differ"] = attempt(mixers_decided_apart(rank))
 
     def checkpointing_on_rank_0(model):  # offload needs it: rank 1 alone would refuse (before: a hang)
         model.train()

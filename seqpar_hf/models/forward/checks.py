@@ -80,6 +80,7 @@ SETTINGS = {
     "lm_loss": 1,
     "tiled_mlp": 2,
     "offload_activations": 2,
+    "token mixers": 2,
 }
 _SETTING_ROWS = -(-sum(SETTINGS.values()) // _SLOTS)  # the settings' slots, padded with zeros to whole rows
 _SETTING_SLOTS = _SETTING_ROWS * _SLOTS
@@ -176,6 +177,9 @@ def forward_settings(
         "offload_activations": (
             (0, 0) if state.offload_layers is None else (1, state.offload_layers.checkpointed() if training else 0)
         ),
+        # each rank decides its mixers' ways at patch_model (a fused kernel checked on its own device): the ways
+        # choose the collectives
+        "token mixers": tuple(sum(way == w for way in state.mixers.values()) for w in ("sequence", "heads")),
     }
 
 
@@ -341,6 +345,8 @@ def _describe(name: str, value: tuple):
         return f"{setting} ({value[1]} MLPs tiled)"
     if name == "offload_activations":
         return f"{bool(value[0])} ({value[1]} layers checkpointed)" if value[0] else "False"
+    if name == "token mixers":
+        return f"{value[0]} split along the sequence, {value[1]} by heads"
     return value[0] if len(value) == 1 else value
 
 
