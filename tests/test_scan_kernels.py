@@ -9,6 +9,7 @@ builds it; `tests/test_fla_interpreter.py` runs flash-linear-attention's own Tri
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 
@@ -173,3 +174,26 @@ def test_both_kernels_at_once(monkeypatch):
         x = torch.randn(2, 13, sequence._width(module))
         assert _split_output(module, 2, x, torch.ones(2, 13, dtype=torch.long)) < 1e-5
         assert any(given for _, given, _ in calls)
+
+
+PROMPT_KERNELS = [
+    ("qwen3_5", ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")),
+    ("granitemoehybrid", ("mamba2_chunk_scan", "causal_conv1d_fn")),
+]
+
+
+@pytest.mark.parametrize("model_type,names", PROMPT_KERNELS)
+def test_the_prompt_forward_splits_with_the_kernels(model_type, names):
+    """Generation's prompt forward with both kernels: proven with the references (each rank's cache layer ends with
+    the whole prompt's states), the kernels checked on the prompt's calls too (a final state asked for)."""
+    from seqpar_hf.models.generation import sharded_cache
+
+    model, module, _ = _conv_mixer(model_type)
+    index = module.layer_idx
+    states = sharded_cache.unpatched_states(model)[0]
+    make = lambda n, r: sharded_cache.SequenceShardedCache(n, r, None, {index: copy.deepcopy(states[index])})
+    conv, scans = halo.depthwise_conv(module), scan.find(module)
+    with stand_in(model, names) as calls:
+        for n in (2, 4):
+            assert sequence.prove_prefill(module, module.forward, conv, scans, n, make) is None, n
+        assert calls and all(dtype == torch.float32 for _, _, dtype in calls)
