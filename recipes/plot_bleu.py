@@ -44,6 +44,8 @@ def label(summary: dict, run_dir: Path) -> str:
         parts.append("sentences")
     if "precision" in summary:  # what the machine computed in (bf16 where the CPU has AVX512-BF16 or AMX)
         parts.append(summary["precision"])
+    if "machine" in summary:  # the CPU and its instructions (recorded since 2026-12-06): speed differs 2.6x
+        parts.append(f"on {summary['machine']}")
     return f"{run_name(run_dir)}: " + ", ".join(parts)
 
 

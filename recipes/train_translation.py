@@ -64,6 +64,7 @@ if __package__:  # imported as recipes.train_translation (tests, benchmarks)
         bleu_metric,
         build_model,
         choose_precision,
+        describe_machine,
         generation_kwargs_fn,
         make_compute_metrics,
         sentence_warm_start,
@@ -83,6 +84,7 @@ else:  # launched as a script: its folder is on sys.path
         bleu_metric,
         build_model,
         choose_precision,
+        describe_machine,
         generation_kwargs_fn,
         make_compute_metrics,
         sentence_warm_start,
@@ -722,7 +724,8 @@ def main(argv=None):
         threads = "CUDA"
     else:
         threads = use_the_cores(data_args.num_threads)
-    logger.info("compute: %s", threads)
+    machine = describe_machine(training_args)
+    logger.info("machine: %s; compute: %s", machine, threads)
     choose_precision(data_args.precision, training_args)
 
     docs = data_args.document_sentences
@@ -915,6 +918,7 @@ def main(argv=None):
             "sentence_warmup_minutes": warm,
             "sentence_warmup_steps": getattr(trainer, "train_steps_before", 0),
             "precision": "bf16" if training_args.bf16 else "fp32",
+            "machine": machine,
         }
         # what recipes/README.md's demo table and figure are drawn from (recipes/plot_bleu.py)
         Path(training_args.output_dir, "run_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -47,6 +47,38 @@ def use_the_cores(requested: int) -> str:
     return f"{threads} threads per process ({cores} cores, {local} local process{'es' if local > 1 else ''})"
 
 
+def cpu_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and its flags (/proc/cpuinfo; empty where there is none)."""
+    name, flags = "", set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    return name, flags
+
+
+def describe_machine(training_args) -> str:
+    """What the run's numbers depend on, for its log and summary: the GPU, or the CPU's model, its usable cores and
+    whether it has the instructions that make bf16 fast (AVX512-BF16, AMX) or only AVX2 / AVX512 for fp32. The
+    demo's speed differs 2.6x between such CPUs (recipes/README.md), so every row of its table names one."""
+    if not training_args.use_cpu and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA)"
+    name, flags = cpu_flags()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        isa = " + ".join(n for f, n in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if f in flags)
+    elif "avx512f" in flags:
+        isa = "AVX512 (no BF16)"
+    elif "avx2" in flags:
+        isa = "AVX2 only"
+    else:
+        isa = torch.backends.cpu.get_cpu_capability()
+    return f"{name or 'CPU'}, {cores} core{'s' if cores > 1 else ''}, {isa}"
+
+
 def choose_precision(requested: str, training_args) -> str:
     """bf16 mixed precision where the hardware computes bf16 fast: a CUDA device with bf16, or a CPU with
     AVX512-BF16 or AMX (on such a 2-core CPU the model's matmuls run 4-6x faster in bf16 and a training
@@ -55,10 +87,7 @@ def choose_precision(requested: str, training_args) -> str:
         if not training_args.use_cpu and torch.cuda.is_available():
             fast, where = torch.cuda.is_bf16_supported(), "this GPU"
         else:
-            flags = set()
-            if os.path.exists("/proc/cpuinfo"):
-                with open("/proc/cpuinfo") as f:
-                    flags = {w for line in f if line.startswith("flags") for w in line.split()}
+            flags = cpu_flags()[1]
             fast, where = bool(flags & {"avx512_bf16", "amx_bf16"}), "this CPU"
         requested = "bf16" if fast else "fp32"
         logger.info("precision: %s (auto: bf16 is %sfast on %s)", requested, "" if fast else "not ", where)
