@@ -18,6 +18,6 @@ def pyplot():
 def save(fig, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # long legends and notes stay whole
     pyplot().close(fig)
     return out
