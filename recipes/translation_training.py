@@ -37,11 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("train_translation")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says it, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def use_the_cores(requested: int) -> str:
     """On CPU, one process per core share: torch threads = usable cores // local processes (accelerate
     launch with no config exports OMP_NUM_THREADS=1, which would leave all but one core idle)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     threads = requested or max(1, cores // local)
     torch.set_num_threads(threads)
     return f"{threads} threads per process ({cores} cores, {local} local process{'es' if local > 1 else ''})"
@@ -67,7 +72,7 @@ def describe_machine(training_args) -> str:
     if not training_args.use_cpu and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (CUDA)"
     name, flags = cpu_flags()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         isa = " + ".join(n for f, n in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if f in flags)
     elif "avx512f" in flags:
